@@ -1,0 +1,115 @@
+"""Experts: stacked weights and the compute paths (``MoEConfig.mlp_impl``) over them.
+
+All paths share one weight layout, so one checkpoint runs any of them:
+  w1 [E, H, F] (swiglu: [E, H, 2F], gate half first), w2 [E, F, H].
+
+Legend: T tokens, K top_k, H hidden, F ffn, E experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import MoEConfig
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """GELU (tanh approximation) or SwiGLU (silu(gate) * up, gate = first half of the columns)."""
+    if activation == "gelu":
+        return F.gelu(h, approximate="tanh")
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def reference_experts(x_TH, w1_EHF, w2_EFH, expert_ids_TK, weights_TK, activation):
+    """Plain-PyTorch dropless MoE: a loop over experts with index_select / index_add."""
+    T, K = expert_ids_TK.shape
+    y_TH = torch.zeros_like(x_TH)
+    token_N = torch.arange(T, device=x_TH.device).repeat_interleave(K)
+    ids_N, w_N = expert_ids_TK.reshape(-1), weights_TK.reshape(-1)
+    for e in range(w1_EHF.shape[0]):
+        sel = (ids_N == e).nonzero(as_tuple=True)[0]
+        tok = token_N[sel]
+        out = activate(x_TH[tok] @ w1_EHF[e], activation) @ w2_EFH[e]
+        y_TH = y_TH.index_add(0, tok, (out.float() * w_N[sel, None]).to(x_TH.dtype))
+    return y_TH
+
+
+def capacity_experts(x_TH, w1_EHF, w2_EFH, expert_ids_TK, weights_TK, activation, capacity):
+    """Tutel/GShard capacity-factor MoE: every expert gets a [capacity, H] batch (zero padded).
+
+    Assignments are served k-major (all tokens' first choices before any second choice), in
+    token order within each k; those past an expert's capacity are dropped (output zero).
+    Returns (y_TH, dropped_fraction).
+    """
+    T, K = expert_ids_TK.shape
+    E, H = w1_EHF.shape[0], x_TH.shape[1]
+    ids_KT = expert_ids_TK.t().reshape(-1)
+    onehot = F.one_hot(ids_KT, E)
+    pos_KT = ((torch.cumsum(onehot, 0) - 1) * onehot).sum(-1)
+    keep_KT = pos_KT < capacity
+    kept = keep_KT.nonzero(as_tuple=True)[0]
+    tok, e, pos = kept % T, ids_KT[kept], pos_KT[kept]
+    w = weights_TK.t().reshape(-1)[kept]
+    x_ECH = x_TH.new_zeros(E, capacity, H).index_put((e, pos), x_TH[tok])
+    out_ECH = torch.bmm(activate(torch.bmm(x_ECH, w1_EHF), activation), w2_EFH)
+    y_TH = torch.zeros_like(x_TH).index_add(0, tok, (out_ECH[e, pos].float() * w[:, None]).to(x_TH.dtype))
+    dropped = 1.0 - keep_KT.float().mean()
+    return y_TH, dropped
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: MoEConfig, num_local_experts: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.num_experts if num_local_experts is None else num_local_experts
+        self.w1 = nn.Parameter(torch.empty(E, cfg.hidden_size, cfg.w1_columns))
+        self.w2 = nn.Parameter(torch.empty(E, cfg.ffn_hidden_size, cfg.hidden_size))
+        for p in (self.w1, self.w2):
+            p.expert_parallel = True  # reduced over the expert-data-parallel group only
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, std=self.cfg.init_method_std)
+        nn.init.normal_(self.w2, std=self.cfg.output_init_std or self.cfg.init_method_std)
+
+    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None):
+        """Σ_k weights_TK[t, k] * expert_{ids[t, k]}(x_TH[t]). Returns (y_TH, dropped_fraction or None)."""
+        cfg = self.cfg
+        w1 = self.w1 if w1 is None else w1
+        w2 = self.w2 if w2 is None else w2
+        impl = cfg.mlp_impl
+        if impl == "reference":
+            return reference_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation), None
+        if impl == "capacity":
+            return capacity_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation,
+                                    cfg.capacity(x_TH.shape[0]))
+        from megatron_moe.kernels.metadata import routing_metadata
+
+        routing = routing_metadata(expert_ids_TK, w1.shape[0], cfg.block_size)
+        if impl == "grouped":
+            from .ops.grouped_mlp import grouped_mlp
+
+            return grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
+        from .ops.blocksparse_mlp import blocksparse_mlp
+
+        return blocksparse_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
+
+
+class SharedExpert(nn.Module):
+    """A dense MLP every token goes through (w1 [H, Fs] or [H, 2Fs] for swiglu, w2 [Fs, H])."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        fs = cfg.shared_expert_ffn_hidden_size
+        self.w1 = nn.Parameter(torch.empty(cfg.hidden_size, 2 * fs if cfg.activation == "swiglu" else fs))
+        self.w2 = nn.Parameter(torch.empty(fs, cfg.hidden_size))
+        nn.init.normal_(self.w1, std=cfg.init_method_std)
+        nn.init.normal_(self.w2, std=cfg.output_init_std or cfg.init_method_std)
+
+    def forward(self, x_TH, w1=None, w2=None):
+        w1 = self.w1 if w1 is None else w1
+        w2 = self.w2 if w2 is None else w2
+        return activate(x_TH @ w1, self.cfg.activation) @ w2

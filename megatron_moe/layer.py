@@ -1,0 +1,79 @@
+"""DroplessMoE: router -> dispatch -> experts -> combine, usable without Megatron.
+
+    from megatron_moe import MoEConfig, DroplessMoE
+    layer = DroplessMoE(MoEConfig(hidden_size=1024, ffn_hidden_size=4096, num_experts=64,
+                                  top_k=1, activation="gelu", mlp_impl="blocksparse"))
+    y = layer(x)          # x: [tokens, hidden] or [seq, batch, hidden]; y has x's shape
+    layer.aux_loss        # load-balancing (+ z-) loss of the last forward, differentiable
+
+Under torch.autocast the expert compute runs in the autocast dtype (bf16 on GPUs) while the
+router stays in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .config import MoEConfig
+from .dispatch import Dispatcher, LocalDispatcher
+from .experts import Experts, SharedExpert
+from .router import TopKRouter
+
+
+class DroplessMoE(nn.Module):
+    def __init__(self, cfg: MoEConfig, dispatcher: Dispatcher | None = None):
+        super().__init__()
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"DroplessMoE(cfg): expected a MoEConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.router = TopKRouter(cfg)
+        self.dispatcher = dispatcher or LocalDispatcher()
+        self.experts = Experts(cfg)
+        self.shared_expert = SharedExpert(cfg) if cfg.shared_expert_ffn_hidden_size > 0 else None
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.load_balancing_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.dropped_fraction: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        H = self.cfg.hidden_size
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"DroplessMoE input: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != H:
+            raise ValueError(f"DroplessMoE input x has shape {tuple(x.shape)}: expected [tokens, {H}] "
+                             f"or [seq, batch, {H}] (hidden_size={H})")
+        if not x.is_floating_point():
+            raise ValueError(f"DroplessMoE input x has dtype {x.dtype}: expected a floating-point tensor")
+        x_TH = x.reshape(-1, H)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dtype = torch.get_autocast_dtype(dev)
+        else:
+            dtype = x.dtype
+        with torch.autocast(dev, enabled=False):
+            r = self.router(x_TH)
+            self.load_balancing_loss, self.z_loss = r.aux_loss, r.z_loss
+            self.aux_loss = r.aux_loss + r.z_loss
+            self.tokens_per_expert = r.tokens_per_expert_E.detach()
+            xc_TH = x_TH.to(dtype)
+            w1, w2 = self.experts.w1.to(dtype), self.experts.w2.to(dtype)
+            xd, ids, w, ctx = self.dispatcher.dispatch(xc_TH, r.expert_ids_TK, r.weights_TK)
+            y, dropped = self.experts(xd, ids, w, w1=w1, w2=w2)
+            y_TH = self.dispatcher.combine(y, ctx)
+            self.dropped_fraction = None if dropped is None else dropped.detach()
+            if self.shared_expert is not None:
+                y_TH = y_TH + self.shared_expert(
+                    xc_TH, self.shared_expert.w1.to(dtype), self.shared_expert.w2.to(dtype))
+        return y_TH.reshape(x.shape)
+
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing step (call after each optimizer step; no-op unless expert_bias)."""
+        self.router.update_expert_bias()
+
+
+def update_expert_biases(model: nn.Module) -> None:
+    """Run ``update_expert_bias`` on every DroplessMoE inside ``model``."""
+    for m in model.modules():
+        if isinstance(m, DroplessMoE):
+            m.update_expert_bias()
