@@ -7,14 +7,20 @@ Legend (shape suffixes):
 
 Everything here is computed on the device with shapes bounded up front (``R_max``), so no
 host synchronisation is needed: unused row blocks have expert -1 and kernels skip them.
+
+The Triton path sorts by expert with a stable counting sort in three launches (per-chunk
+histograms -> scan over chunks -> scatter) and builds the topology in one more; its results are
+bit-identical to the plain-PyTorch references below.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-from ._common import cdiv
+from ._common import cdiv, use_triton
 
 
 def max_row_blocks(num_assignments: int, num_experts: int, block_size: int) -> int:
@@ -155,15 +161,261 @@ def block_topology_reference(routing: Routing, num_columns: int) -> Topology:
 
 
 # ----------------------------------------------------------------------------------------------
+# Triton kernels: a stable counting sort by expert (no general sort, no atomics)
+#
+# Assignments are cut into chunks of CHUNK. For chunk c and expert e:
+#   hist[e, c]     number of assignments of chunk c routed to e          (_histogram_kernel)
+#   prefix[e, c]   exclusive sum of hist[e, :c], and counts[e] = total   (_chunk_scan_kernel)
+#   sorted position of assignment a (expert e, chunk c)
+#     = expert_offset[e] + prefix[e, c] + #{earlier a' in chunk c with expert e}  (_scatter_kernel)
+# hist/prefix are laid out expert-major [E, num_chunks] so each scan program reads one contiguous
+# row. Pointer offsets are formed in int64 (program id promoted first); all stored values fit
+# int32 because they are bounded by N, P_max or Z.
+# ----------------------------------------------------------------------------------------------
+
+_CHUNK = 256  # assignments per program of the histogram and scatter kernels
+_MAX_BLOCK_E = 32  # experts per one-hot tile ([CHUNK, BLOCK_E] int32 live per tile)
+_BLOCK_C = 1024  # chunks per step of the scan kernel
+_BLOCK_Z = 1024  # blocks per program of the topology kernel
+
+
+@triton.jit
+def _histogram_kernel(
+    # pointers
+    ids_ptr, ids32_ptr, hist_ptr, padded_src_ptr, row_expert_ptr,
+    # sizes
+    N, E, num_chunks, P, R, fill_p, fill_r,
+    # meta-parameters
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """hist[e, c] = one-hot sums of chunk c; also the int32 copy of the ids and the -1 fill."""
+    c = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    offs = c.to(tl.int64) * CHUNK + lane
+    mask = offs < N
+    ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
+    tl.store(ids32_ptr + offs, ids, mask=mask)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+        tl.store(hist_ptr + e.to(tl.int64) * num_chunks + c, tl.sum(onehot, axis=0), mask=e < E)
+    # Every padded row and row block starts as -1; the scatter kernel (a later launch) writes the
+    # real ones. Program c fills its stripe [c*fill, (c+1)*fill) of each array.
+    minus1 = tl.full([CHUNK], -1, tl.int32)
+    p0 = c.to(tl.int64) * fill_p
+    for i in range(0, fill_p, CHUNK):
+        p = p0 + i + lane
+        tl.store(padded_src_ptr + p, minus1, mask=(p < P) & (i + lane < fill_p))
+    r0 = c.to(tl.int64) * fill_r
+    for i in range(0, fill_r, CHUNK):
+        r = r0 + i + lane
+        tl.store(row_expert_ptr + r, minus1, mask=(r < R) & (i + lane < fill_r))
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    # pointers
+    hist_ptr, counts_ptr,
+    # sizes
+    num_chunks,
+    # meta-parameters
+    BLOCK_C: tl.constexpr,
+):
+    """In place: hist[e, :] -> its exclusive cumsum over chunks; counts[e] = the row total."""
+    e = tl.program_id(0)
+    row_ptr = hist_ptr + e.to(tl.int64) * num_chunks
+    carry = 0
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = c < num_chunks
+        h = tl.load(row_ptr + c, mask=mask, other=0)
+        tl.store(row_ptr + c, tl.cumsum(h, axis=0) - h + carry, mask=mask)
+        carry += tl.sum(h, axis=0)
+    tl.store(counts_ptr + e, carry)
+
+
+@triton.jit
+def _scatter_kernel(
+    # pointers
+    ids32_ptr, prefix_ptr, counts_ptr,
+    offsets_ptr, padded_offsets_ptr, sort_order_ptr, padded_row_ptr, padded_src_ptr, row_expert_ptr,
+    # sizes
+    N, E, B, num_chunks,
+    # meta-parameters
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Sorted and padded position of every assignment of chunk c, and the expert offsets.
+
+    Each program rescans the E counts (cheap) to get the expert offsets; program 0 stores them.
+    """
+    c = tl.program_id(0)
+    offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < N
+    ids = tl.load(ids32_ptr + offs, mask=mask, other=-1)
+    sorted_pos = tl.zeros([CHUNK], dtype=tl.int32)
+    padded_pos = tl.zeros([CHUNK], dtype=tl.int32)
+    carry = 0
+    padded_carry = 0
+    # only program 0 stores the offsets: experts e < store_end, and the totals at index E
+    store_end = tl.where(c == 0, E, 0)
+    for e0 in range(0, E, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        e_mask = e < E
+        counts = tl.load(counts_ptr + e, mask=e_mask, other=0)
+        padded_counts = (counts + B - 1) // B * B
+        ends = tl.cumsum(counts, axis=0) + carry
+        padded_ends = tl.cumsum(padded_counts, axis=0) + padded_carry
+        offsets = ends - counts
+        padded_offsets = padded_ends - padded_counts
+        tl.store(offsets_ptr + e, offsets, mask=e < store_end)
+        tl.store(padded_offsets_ptr + e, padded_offsets, mask=e < store_end)
+        tl.store(offsets_ptr + e + 1, ends, mask=e + 1 == store_end)
+        tl.store(padded_offsets_ptr + e + 1, padded_ends, mask=e + 1 == store_end)
+        carry += tl.sum(counts, axis=0)
+        padded_carry += tl.sum(padded_counts, axis=0)
+        # rank of each assignment among the same expert's: earlier chunks + earlier in this chunk
+        prefix = tl.load(prefix_ptr + e.to(tl.int64) * num_chunks + c, mask=e_mask, other=0)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot + prefix[None, :]
+        sorted_pos += tl.sum(onehot * (rank + offsets[None, :]), axis=1)
+        padded_pos += tl.sum(onehot * (rank + padded_offsets[None, :]), axis=1)
+    tl.store(sort_order_ptr + sorted_pos, offs.to(tl.int32), mask=mask)
+    tl.store(padded_row_ptr + offs, padded_pos, mask=mask)
+    tl.store(padded_src_ptr + padded_pos, offs.to(tl.int32), mask=mask)
+    # A used row block always starts with a real row, whose expert is the block's expert.
+    tl.store(row_expert_ptr + padded_pos // B, ids, mask=mask & (padded_pos % B == 0))
+
+
+@triton.jit
+def _topology_kernel(
+    # pointers
+    row_expert_ptr, padded_offsets_ptr,
+    row_indices_ptr, column_indices_ptr, offsets_t_ptr, block_offsets_t_ptr,
+    # sizes
+    Z, C, E, B, Fb,
+    # meta-parameters
+    BLOCK_Z: tl.constexpr,
+):
+    """Block z = r*Fb + j: its row/column, and its slot in the transposed (column-major) order.
+
+    Used row blocks are a prefix, so the used blocks are exactly z < total = used_rows * Fb and
+    they map one-to-one onto the transposed slots [0, total): block z of expert e goes to slot
+    offsets_t[e*Fb + j] + (r - first row block of e). Slots z >= total get -1, written by the
+    (unused) block z itself, so no two programs write one slot.
+    offsets_t[g] (g = e*Fb + j, up to C) = first_row_block[e]*Fb + j*row_blocks[e] in closed form.
+    """
+    z = tl.program_id(0).to(tl.int64) * BLOCK_Z + tl.arange(0, BLOCK_Z)
+    z_mask = z < Z
+    r = z // Fb
+    j = z - r * Fb
+    e = tl.load(row_expert_ptr + r, mask=z_mask, other=-1)
+    used = e >= 0
+    e_safe = tl.where(used, e, 0)
+    start = tl.load(padded_offsets_ptr + e_safe, mask=z_mask, other=0) // B
+    end = tl.load(padded_offsets_ptr + e_safe + 1, mask=z_mask, other=0) // B
+    tl.store(row_indices_ptr + z, tl.where(used, r, -1).to(tl.int32), mask=z_mask)
+    tl.store(column_indices_ptr + z, tl.where(used, e_safe * Fb + j, -1).to(tl.int32), mask=z_mask)
+    slot = tl.where(used, start * Fb + j * (end - start) + (r - start), z)
+    tl.store(block_offsets_t_ptr + slot, tl.where(used, z, -1).to(tl.int32), mask=z_mask)
+    # column pointers of the transposed order (the same program ids cover g in [0, C])
+    g = z
+    g_mask = g <= C
+    eg = g // Fb
+    jg = g - eg * Fb
+    g_start = tl.load(padded_offsets_ptr + eg, mask=g_mask, other=0) // B
+    g_end = tl.load(padded_offsets_ptr + eg + 1, mask=g_mask & (eg < E), other=0) // B
+    g_blocks = tl.where(eg < E, g_end - g_start, 0)
+    tl.store(offsets_t_ptr + g, (g_start * Fb + jg * g_blocks).to(tl.int32), mask=g_mask)
+
+
+def _routing_metadata_triton(
+    expert_ids_TK: torch.Tensor, num_experts: int, block_size: int,
+    chunk_size: int = _CHUNK, max_block_e: int = _MAX_BLOCK_E, block_c: int = _BLOCK_C,
+) -> Routing:
+    """Triton launcher of :func:`routing_metadata` (three launches).
+
+    The tile sizes (powers of two) are arguments so tests can force many chunks and E tiles.
+    """
+    T, K = expert_ids_TK.shape
+    N, E, B = T * K, num_experts, block_size
+    dev = expert_ids_TK.device
+    ids_N = expert_ids_TK.reshape(-1).contiguous()
+    R_max = max_row_blocks(N, E, B)
+    P_max = R_max * B
+    num_chunks = max(1, cdiv(N, chunk_size))
+    block_e = min(triton.next_power_of_2(E), max_block_e)
+    i32 = torch.int32
+
+    def empty(n):
+        return torch.empty(n, dtype=i32, device=dev)
+
+    ids32_N = empty(N)
+    hist_EC = empty((E, num_chunks))
+    counts_E, offsets_E1, padded_E1 = empty(E), empty(E + 1), empty(E + 1)
+    sort_order_N, padded_row_N = empty(N), empty(N)
+    padded_src_P, row_expert_R = empty(P_max), empty(R_max)
+    _histogram_kernel[(num_chunks,)](
+        ids_N, ids32_N, hist_EC, padded_src_P, row_expert_R,
+        N, E, num_chunks, P_max, R_max, cdiv(P_max, num_chunks), cdiv(R_max, num_chunks),
+        CHUNK=chunk_size, BLOCK_E=block_e,
+    )
+    _chunk_scan_kernel[(E,)](hist_EC, counts_E, num_chunks, BLOCK_C=block_c)
+    _scatter_kernel[(num_chunks,)](
+        ids32_N, hist_EC, counts_E,
+        offsets_E1, padded_E1, sort_order_N, padded_row_N, padded_src_P, row_expert_R,
+        N, E, B, num_chunks,
+        CHUNK=chunk_size, BLOCK_E=block_e,
+    )
+    return Routing(
+        num_tokens=T, top_k=K, num_experts=E, block_size=B,
+        expert_ids_N=ids32_N, sort_order_N=sort_order_N,
+        tokens_per_expert_E=counts_E, expert_offsets_E1=offsets_E1,
+        padded_offsets_E1=padded_E1, padded_row_N=padded_row_N,
+        padded_src_P=padded_src_P, row_block_expert_R=row_expert_R,
+    )
+
+
+def _block_topology_triton(routing: Routing, num_columns: int) -> Topology:
+    """Triton launcher of :func:`block_topology` (one launch)."""
+    B, E = routing.block_size, routing.num_experts
+    Fb = cdiv(num_columns, B)
+    Z, C = routing.max_row_blocks * Fb, E * Fb
+    dev = routing.row_block_expert_R.device
+    i32 = torch.int32
+    row_indices_Z = torch.empty(Z, dtype=i32, device=dev)
+    column_indices_Z = torch.empty(Z, dtype=i32, device=dev)
+    offsets_t_C1 = torch.empty(C + 1, dtype=i32, device=dev)
+    block_offsets_t_Z = torch.empty(Z, dtype=i32, device=dev)
+    grid = (cdiv(max(Z, C + 1), _BLOCK_Z),)
+    _topology_kernel[grid](
+        routing.row_block_expert_R, routing.padded_offsets_E1,
+        row_indices_Z, column_indices_Z, offsets_t_C1, block_offsets_t_Z,
+        Z, C, E, B, Fb,
+        BLOCK_Z=_BLOCK_Z,
+    )
+    return Topology(
+        routing=routing, num_columns=num_columns, blocks_per_row=Fb,
+        row_indices_Z=row_indices_Z, column_indices_Z=column_indices_Z,
+        offsets_t_C1=offsets_t_C1, block_offsets_t_Z=block_offsets_t_Z,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Public entry points (Triton on the GPU / under the interpreter, the reference otherwise)
 # ----------------------------------------------------------------------------------------------
 
 
 def routing_metadata(expert_ids_TK: torch.Tensor, num_experts: int, block_size: int) -> Routing:
-    """Routing metadata of ``expert_ids_TK`` (int, [T, K], values in [0, E))."""
+    """Routing metadata of ``expert_ids_TK`` (int, [T, K], values in [0, E)). No host sync."""
+    if expert_ids_TK.dim() != 2:
+        raise ValueError(f"expert_ids_TK must be [T, K], got shape {tuple(expert_ids_TK.shape)}")
+    if use_triton(expert_ids_TK):
+        return _routing_metadata_triton(expert_ids_TK, num_experts, block_size)
     return routing_metadata_reference(expert_ids_TK, num_experts, block_size)
 
 
 def block_topology(routing: Routing, num_columns: int) -> Topology:
-    """Block-sparse topology of the [P_max, E*num_columns] hidden matrix of ``routing``."""
+    """Block-sparse topology of the [P_max, E*num_columns] hidden matrix of ``routing``. No host sync."""
+    if use_triton(routing.row_block_expert_R):
+        return _block_topology_triton(routing, num_columns)
     return block_topology_reference(routing, num_columns)

@@ -1,0 +1,163 @@
+"""Layer benchmark: forward + backward of one MoE layer in bf16 on a GPU.
+
+    python benchmarks/bench_layer.py                       # all configs, all providers
+    python benchmarks/bench_layer.py --configs paper-moe-m --providers dense,grouped
+    python benchmarks/bench_layer.py --out benchmarks/results/h100.json
+
+Providers:
+  dense            a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
+  torch_grouped_mm sort -> torch._grouped_mm -> gelu -> torch._grouped_mm -> unsort (same router)
+  blocksparse, grouped, capacity (capacity_factor 1): DroplessMoE with that mlp_impl
+
+Every MoE provider runs the whole layer (router, metadata, experts, combine). TFLOP/s counts
+useful expert FLOPs only, 12 * tokens * top_k * hidden * ffn (three GEMMs of 2*T*K*H*F each for
+the two matmuls, forward + backward), the same for every provider. Median of do_bench; peak
+memory is the allocator's high-water mark during one step, less the parameters and inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k)
+    "paper-moe-m": (16384, 1024, 4096, 64, 1),
+    "fine-64e-top8": (8192, 2048, 1024, 64, 8),
+    "mixtral-ish": (8192, 4096, 14336, 8, 2),
+}
+PROVIDERS = ["dense", "torch_grouped_mm", "blocksparse", "grouped", "capacity"]
+
+
+class DenseMLP(torch.nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, ffn) * 0.02)
+        self.w2 = torch.nn.Parameter(torch.randn(ffn, hidden) * 0.02)
+
+    def forward(self, x):
+        return F.gelu(x @ self.w1, approximate="tanh") @ self.w2
+
+
+class GroupedMMMoE(torch.nn.Module):
+    """The common pure-PyTorch dropless baseline: sort tokens, torch._grouped_mm, unsort."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x_TH):
+        moe = self.moe
+        r = moe.router(x_TH)
+        T, K = r.expert_ids_TK.shape
+        ids_N = r.expert_ids_TK.reshape(-1)
+        order_N = torch.argsort(ids_N, stable=True)
+        offs_E = torch.cumsum(torch.bincount(ids_N, minlength=moe.cfg.num_experts), 0).to(torch.int32)
+        x_NH = x_TH[order_N // K]
+        h = torch._grouped_mm(x_NH, moe.experts.w1, offs=offs_E)
+        y_NH = torch._grouped_mm(F.gelu(h, approximate="tanh"), moe.experts.w2, offs=offs_E)
+        y_NH = y_NH * r.weights_TK.reshape(-1)[order_N, None].to(y_NH.dtype)
+        out = torch.empty_like(y_NH)
+        out[order_N] = y_NH
+        return out.view(T, K, -1).sum(1)
+
+
+def build(provider, tokens, hidden, ffn, experts, top_k, device):
+    from megatron_moe import DroplessMoE, MoEConfig
+
+    if provider == "dense":
+        return DenseMLP(hidden, ffn * top_k).to(device, torch.bfloat16)
+    impl = "grouped" if provider == "torch_grouped_mm" else provider
+    cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
+                    activation="gelu", mlp_impl=impl, capacity_factor=1.0, aux_loss_coeff=0.01)
+    moe = DroplessMoE(cfg).to(device, torch.bfloat16)
+    return GroupedMMMoE(moe) if provider == "torch_grouped_mm" else moe
+
+
+def bench_one(provider, shape, device, warmup_ms, rep_ms):
+    import triton.testing
+
+    tokens, hidden, ffn, experts, top_k = shape
+    torch.manual_seed(0)
+    model = build(provider, *shape, device)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = model(x)
+        y.backward(dy)
+
+    step()  # compile / autotune
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    flops = 12 * tokens * top_k * hidden * ffn
+    row = dict(config=None, provider=provider, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts,
+               top_k=top_k, median_ms=ms, tflops=flops / ms / 1e9, peak_mem_gb=peak_gb)
+    del model, x, dy, params
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--warmup-ms", type=float, default=100)
+    ap.add_argument("--rep-ms", type=float, default=500)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_layer.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, python=platform.python_version(),
+                date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
+    rows = []
+    for name in args.configs.split(","):
+        shape = CONFIGS[name]
+        for provider in args.providers.split(","):
+            try:
+                row = bench_one(provider, shape, device, args.warmup_ms, args.rep_ms)
+            except Exception as e:  # keep going: one failing provider must not hide the others
+                row = dict(provider=provider, error=f"{type(e).__name__}: {e}"[:300])
+            row["config"] = name
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    # ratio to the dense MLP measured in the same run
+    for name in args.configs.split(","):
+        dense = next((r for r in rows if r["config"] == name and r["provider"] == "dense" and "tflops" in r), None)
+        for r in rows:
+            if r["config"] == name and "tflops" in r and dense:
+                r["vs_dense"] = r["tflops"] / dense["tflops"]
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}")
+    print(f"{'config':<14} {'provider':<17} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:<14} {r['provider']:<17} ERROR {r['error'][:80]}")
+        else:
+            print(f"{r['config']:<14} {r['provider']:<17} {r['median_ms']:8.2f} {r['tflops']:8.1f} "
+                  f"{r.get('vs_dense', float('nan')):8.2f} {r['peak_mem_gb']:8.2f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

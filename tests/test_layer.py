@@ -1,0 +1,307 @@
+"""DroplessMoE end to end against an independent float64 per-token loop.
+
+Every mlp_impl, forward and the gradients of x, the router, w1 and w2, on the edge cases:
+1 expert, 64 experts top-1, top_k = num_experts, empty experts, all tokens to one expert,
+token counts not a multiple of the block; fp32 (tight) and bf16 (loose).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_moe import DroplessMoE, MoEConfig
+
+DROPLESS = ["reference", "grouped", "blocksparse"]
+
+
+def loop_reference(x_TH, router_EH, w1, w2, cfg: MoEConfig, bias_E=None):
+    """float64, one token at a time: logits, scores, top-k, Σ_k weight·expert(x)."""
+    x_TH, router_EH, w1, w2 = (t.double() for t in (x_TH, router_EH, w1, w2))
+    ys = []
+    for t in range(x_TH.shape[0]):
+        logits = router_EH @ x_TH[t]
+        scores = torch.softmax(logits, 0) if cfg.score_function == "softmax" else torch.sigmoid(logits)
+        select = scores.detach() + (bias_E.double() if bias_E is not None else 0)
+        ids = torch.topk(select, cfg.top_k).indices
+        w = scores[ids]
+        if cfg.normalize_top_k:
+            w = w / w.sum()
+        y = torch.zeros_like(x_TH[t])
+        for k in range(cfg.top_k):
+            h = x_TH[t] @ w1[ids[k]]
+            if cfg.activation == "gelu":
+                a = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+            else:
+                g, u = h.chunk(2)
+                a = g * torch.sigmoid(g) * u
+            y = y + w[k] * (a @ w2[ids[k]])
+        ys.append(y)
+    return torch.stack(ys)
+
+
+def make_layer(cfg, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    layer = DroplessMoE(cfg).to(device)
+    with torch.no_grad():  # weights large enough that the outputs are not tiny
+        layer.experts.w1.normal_(0, 0.3)
+        layer.experts.w2.normal_(0, 0.3)
+        layer.router.weight.normal_(0, 1.0)
+    return layer
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check_against_loop(cfg, T, dtype=torch.float32, tol=1e-5, x=None, setup=None, device="cpu"):
+    layer = make_layer(cfg, device=device)
+    if setup is not None:
+        setup(layer)
+    if x is None:
+        x = torch.randn(T, cfg.hidden_size, device=device)
+    x = x.to(dtype).requires_grad_(True)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == dtype
+    dy = torch.randn_like(y)
+    (y * dy).sum().backward()
+
+    params = [layer.router.weight, layer.experts.w1, layer.experts.w2]
+    ref_params = [p.detach().double().requires_grad_(True) for p in params]
+    x_ref = x.detach().double().requires_grad_(True)
+    y_ref = loop_reference(x_ref, *ref_params, cfg)
+    (y_ref * dy.double()).sum().backward()
+
+    assert torch.isfinite(y).all()
+    assert rel(y, y_ref) < tol, f"forward rel err {rel(y, y_ref)}"
+    assert rel(x.grad, x_ref.grad) < tol, f"dx rel err {rel(x.grad, x_ref.grad)}"
+    for name, p, r in zip(("router", "w1", "w2"), params, ref_params):
+        assert p.grad is not None, name
+        if r.grad.norm() == 0:
+            assert p.grad.norm() == 0, name
+        else:
+            assert rel(p.grad, r.grad) < tol, f"d{name} rel err {rel(p.grad, r.grad)}"
+    return layer
+
+
+def cfg_(**kw):
+    base = dict(hidden_size=32, ffn_hidden_size=48, num_experts=4, top_k=1, block_size=16,
+                aux_loss_coeff=0.0, mlp_impl="reference")
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+# ------------------------------------------------------------------------- correctness cases
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_matches_loop_top2(impl, activation):
+    check_against_loop(cfg_(mlp_impl=impl, activation=activation, top_k=2), T=37)
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_one_expert(impl):
+    check_against_loop(cfg_(mlp_impl=impl, num_experts=1), T=20)
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_64_experts_top1_with_empty_experts(impl):
+    # 40 tokens over 64 experts: most experts are empty.
+    layer = check_against_loop(cfg_(mlp_impl=impl, num_experts=64, hidden_size=16, ffn_hidden_size=16), T=40)
+    assert (layer.tokens_per_expert == 0).sum() >= 24
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_top_k_equals_num_experts(impl):
+    check_against_loop(cfg_(mlp_impl=impl, num_experts=3, top_k=3, normalize_top_k=True), T=19)
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_all_tokens_to_one_expert(impl):
+    cfg = cfg_(mlp_impl=impl, num_experts=8)
+
+    def setup(layer):
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[5] = 0.1  # wins, without saturating the softmax
+
+    x = torch.rand(33, cfg.hidden_size) + 0.1  # positive: expert 5 wins for every token
+    layer = check_against_loop(cfg, T=33, x=x, setup=setup)
+    assert layer.tokens_per_expert.tolist() == [0, 0, 0, 0, 0, 33, 0, 0]
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_sigmoid_scores_shared_expert_free(impl):
+    check_against_loop(cfg_(mlp_impl=impl, score_function="sigmoid", top_k=2), T=21)
+
+
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_bf16(impl):
+    check_against_loop(cfg_(mlp_impl=impl, top_k=2), T=37, dtype=torch.bfloat16, tol=3e-2)
+
+
+def test_capacity_without_drops_equals_dropless():
+    # capacity_factor = E guarantees room for every assignment: then capacity == dropless.
+    layer = check_against_loop(cfg_(mlp_impl="capacity", capacity_factor=4.0, top_k=2), T=29)
+    assert layer.dropped_fraction.item() == 0.0
+
+
+def test_seq_batch_input_shape():
+    layer = make_layer(cfg_(top_k=2))
+    x = torch.randn(5, 3, 32)
+    y = layer(x)
+    assert y.shape == (5, 3, 32)
+    torch.testing.assert_close(y, layer(x.reshape(15, 32)).reshape(5, 3, 32))
+
+
+@pytest.mark.parametrize("impl", ["grouped", "blocksparse", "capacity"])
+def test_weights_interchangeable_between_impls(impl):
+    ref = make_layer(cfg_(top_k=2, mlp_impl="reference"), seed=3)
+    other = DroplessMoE(cfg_(top_k=2, mlp_impl=impl, capacity_factor=4.0))
+    other.load_state_dict(ref.state_dict())
+    x = torch.randn(23, 32)
+    torch.testing.assert_close(other(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- capacity-factor MoE
+
+
+def test_capacity_drops_exactly_the_overflow():
+    """k-major, token-order priority: per expert the first `capacity` assignments are served."""
+    cfg = cfg_(mlp_impl="capacity", num_experts=4, top_k=2, capacity_factor=1.0)
+    layer = make_layer(cfg)
+    T = 24
+    x = torch.randn(T, cfg.hidden_size, dtype=torch.float64)
+    layer = layer.double()
+    y = layer(x)
+    C = math.ceil(1.0 * T * 2 / 4)
+    assert cfg.capacity(T) == C
+    # independent loop: walk the assignments k-major, count per expert, keep the first C.
+    with torch.no_grad():
+        probs = torch.softmax(x @ layer.router.weight.t(), -1)
+        top = torch.topk(probs, 2, -1)
+        used = [0] * 4
+        y_ref = torch.zeros_like(x)
+        kept = 0
+        for k in range(2):
+            for t in range(T):
+                e = top.indices[t, k].item()
+                if used[e] < C:
+                    used[e] += 1
+                    kept += 1
+                    a = F.gelu(x[t] @ layer.experts.w1[e], approximate="tanh")
+                    y_ref[t] += top.values[t, k] * (a @ layer.experts.w2[e])
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)  # the router runs in fp32
+    assert layer.dropped_fraction.item() == pytest.approx(1 - kept / (2 * T))
+    assert kept < 2 * T, "the case must actually drop something"
+
+
+def test_capacity_all_to_one_expert_drops_the_rest():
+    cfg = cfg_(mlp_impl="capacity", num_experts=4, top_k=1, capacity_factor=1.0)
+    layer = make_layer(cfg)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[2] = 1.0
+    x = torch.rand(16, 32) + 0.1
+    y = layer(x)
+    C = cfg.capacity(16)  # 4
+    assert (y[:C].abs().sum(-1) > 0).all() and (y[C:] == 0).all()
+    assert layer.dropped_fraction.item() == pytest.approx(12 / 16)
+
+
+# ------------------------------------------------------------------------- router losses
+
+
+def test_aux_and_z_loss_match_formulas():
+    cfg = cfg_(num_experts=6, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    layer = make_layer(cfg)
+    x = torch.randn(50, 32)
+    layer(x)
+    with torch.no_grad():
+        logits = (x.double() @ layer.router.weight.double().t())
+        p = torch.softmax(logits, -1)
+        ids = torch.topk(p, 2, -1).indices
+        f = torch.stack([(ids == e).sum() for e in range(6)]).double() / (50 * 2)
+        aux = 0.1 * 6 * (f * p.mean(0)).sum()
+        z = 0.01 * (torch.logsumexp(logits, -1) ** 2).mean()
+    assert layer.load_balancing_loss.item() == pytest.approx(aux.item(), rel=1e-5)
+    assert layer.z_loss.item() == pytest.approx(z.item(), rel=1e-5)
+    assert layer.aux_loss.item() == pytest.approx((aux + z).item(), rel=1e-5)
+    layer.aux_loss.backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.norm() > 0
+
+
+def test_balanced_routing_aux_loss_is_one():
+    from megatron_moe.router import load_balancing_loss
+
+    probs = torch.full((8, 4), 0.25)
+    counts = torch.tensor([2, 2, 2, 2])
+    assert load_balancing_loss(probs, counts, top_k=1).item() == pytest.approx(1.0)
+
+
+def test_jitter_only_while_training():
+    layer = make_layer(cfg_(jitter_eps=0.5, top_k=2))
+    x = torch.randn(10, 32)
+    layer.eval()
+    torch.testing.assert_close(layer(x), layer(x))
+    layer.train()
+    assert not torch.equal(layer(x), layer(x))
+
+
+def test_expert_bias_moves_towards_balance():
+    cfg = cfg_(expert_bias=True, expert_bias_update_rate=0.1, num_experts=4)
+    layer = make_layer(cfg)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[1] = 1.0
+    x = torch.rand(40, 32) + 0.1
+    layer.train()
+    layer(x)
+    layer.update_expert_bias()
+    b = layer.router.expert_bias
+    assert b[1] < 0 and (b[[0, 2, 3]] > 0).all()
+    # the bias changes selection only, not the combine weights' gradient path
+    check_against_loop(cfg, T=12, setup=lambda l: l.router.expert_bias.fill_(0.0))
+
+
+def test_shared_expert_adds_dense_mlp():
+    cfg = cfg_(shared_expert_ffn_hidden_size=24)
+    layer = make_layer(cfg)
+    x = torch.randn(9, 32)
+    routed_only = DroplessMoE(cfg_())
+    routed_only.load_state_dict({k: v for k, v in layer.state_dict().items() if "shared" not in k})
+    shared = F.gelu(x @ layer.shared_expert.w1, approximate="tanh") @ layer.shared_expert.w2
+    torch.testing.assert_close(layer(x), routed_only(x) + shared)
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(top_k=5), "top_k"),
+    (dict(top_k=0), "top_k"),
+    (dict(num_experts=0), "num_experts"),
+    (dict(hidden_size=-1), "hidden_size"),
+    (dict(hidden_size=32.0), "hidden_size"),
+    (dict(mlp_impl="dense"), "mlp_impl"),
+    (dict(activation="relu"), "activation"),
+    (dict(score_function="tanh"), "score_function"),
+    (dict(block_size=100), "block_size"),
+    (dict(capacity_factor=0), "capacity_factor"),
+    (dict(jitter_eps=1.5), "jitter_eps"),
+    (dict(aux_loss_coeff=-1), "aux_loss_coeff"),
+    (dict(normalize_top_k="yes"), "normalize_top_k"),
+    (dict(shared_expert_ffn_hidden_size=-2), "shared_expert_ffn_hidden_size"),
+])
+def test_bad_config_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=rf"MoEConfig\.{field}=.*expected"):
+        cfg_(**kw)
+
+
+def test_bad_input_shape_and_dtype():
+    layer = make_layer(cfg_())
+    with pytest.raises(ValueError, match="hidden_size=32"):
+        layer(torch.randn(4, 31))
+    with pytest.raises(ValueError, match="floating-point"):
+        layer(torch.ones(4, 32, dtype=torch.long))
