@@ -1,21 +1,38 @@
 """Dispatchers: move routed tokens to the ranks that own their experts and back.
 
 router -> dispatcher.dispatch -> experts -> dispatcher.combine (as in torchtitan). The experts
-never see communication: they get tokens, the local expert ids and combine weights of each
-token's assignments, and return the weighted sum per token.
+never see communication: they get token rows, the local expert ids and combine weights of each
+row's assignments, and return the weighted sum per row.
 
-Legend: T tokens, K top_k, H hidden.
+- LocalDispatcher: all experts live here; nothing moves (the gather/scatter is fused into the
+  expert kernels).
+- AllToAllDispatcher: experts split evenly over an expert-parallel group. Each (token, k)
+  assignment travels as one row to the rank owning its expert (``all_to_all_single`` with
+  variable splits), is computed there as a top-1 row, travels back, and is weighted and summed
+  over k on the sender. Autograd runs through both exchanges.
+
+Host synchronisation: exactly one per forward and none in the backward (it reuses the
+forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so the
+exchanged token counts are read once. The count exchange is launched asynchronously and
+overlaps the local sort by destination rank.
+
+Legend: T tokens, K top_k, N = T*K assignments, H hidden, P expert-parallel ranks,
+R rows received by this rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class Dispatcher:
-    """Interface. ``dispatch`` returns what the local experts compute on plus a context for
-    ``combine``, which brings the experts' outputs back in the order of the input tokens."""
+    """Interface. ``dispatch`` returns (rows, local expert ids [R, k], weights [R, k], ctx) for the
+    local experts; ``combine`` takes the experts' output rows [R, H] and returns [T, H]."""
+
+    num_ranks: int = 1
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
@@ -26,10 +43,78 @@ class Dispatcher:
 
 
 class LocalDispatcher(Dispatcher):
-    """All experts live here: nothing moves (the gather/scatter is fused into the expert kernels)."""
-
     def dispatch(self, x_TH, expert_ids_TK, weights_TK):
         return x_TH, expert_ids_TK, weights_TK, None
 
     def combine(self, y_TH, ctx):
         return y_TH
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+@dataclass
+class _A2AContext:
+    order_N: torch.Tensor  # send position -> assignment index
+    send_splits: list[int]
+    recv_splits: list[int]
+    weights_TK: torch.Tensor
+    num_tokens: int
+    top_k: int
+
+
+class AllToAllDispatcher(Dispatcher):
+    def __init__(self, group, num_experts: int):
+        self.group = group
+        self.num_ranks = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel size "
+                             f"{self.num_ranks}: choose expert_parallel_size dividing num_experts")
+        self.num_local_experts = num_experts // self.num_ranks
+
+    def dispatch(self, x_TH, expert_ids_TK, weights_TK):
+        T, K = expert_ids_TK.shape
+        P, El = self.num_ranks, self.num_local_experts
+        ids_N = expert_ids_TK.reshape(-1)
+        dest_N = torch.div(ids_N, El, rounding_mode="floor")
+        send_counts_P = torch.bincount(dest_N, minlength=P)
+        recv_counts_P = torch.empty_like(send_counts_P)
+        work = dist.all_to_all_single(recv_counts_P, send_counts_P, group=self.group, async_op=True)
+        # overlaps the count exchange: the local permutation by destination rank
+        order_N = torch.argsort(dest_N, stable=True)
+        x_send = x_TH[torch.div(order_N, K, rounding_mode="floor")]
+        local_ids_send = (ids_N - dest_N * El)[order_N]
+        work.wait()
+        send_splits, recv_splits = torch.stack([send_counts_P, recv_counts_P]).tolist()  # the host sync
+        x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
+        ids_recv = local_ids_send.new_empty(sum(recv_splits))
+        dist.all_to_all_single(ids_recv, local_ids_send, recv_splits, send_splits, group=self.group)
+        ones_R1 = torch.ones(ids_recv.shape[0], 1, device=x_TH.device, dtype=torch.float32)
+        ctx = _A2AContext(order_N, send_splits, recv_splits, weights_TK, T, K)
+        return x_recv, ids_recv[:, None], ones_R1, ctx
+
+    def combine(self, y_RH, ctx: _A2AContext):
+        y_send = all_to_all(y_RH, ctx.send_splits, ctx.recv_splits, self.group)
+        y_NH = torch.zeros_like(y_send).index_copy(0, ctx.order_N, y_send)
+        y_TKH = y_NH.view(ctx.num_tokens, ctx.top_k, -1)
+        return (y_TKH.float() * ctx.weights_TK[..., None]).sum(1).to(y_RH.dtype)

@@ -74,8 +74,12 @@ class Experts(nn.Module):
         nn.init.normal_(self.w1, std=self.cfg.init_method_std)
         nn.init.normal_(self.w2, std=self.cfg.output_init_std or self.cfg.init_method_std)
 
-    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None):
-        """Σ_k weights_TK[t, k] * expert_{ids[t, k]}(x_TH[t]). Returns (y_TH, dropped_fraction or None)."""
+    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None, capacity=None):
+        """Σ_k weights_TK[t, k] * expert_{ids[t, k]}(x_TH[t]). Returns (y_TH, dropped_fraction or None).
+
+        ``capacity`` (capacity impl only) overrides ``cfg.capacity(len(x_TH))``: under expert
+        parallelism the rows here come from the whole group, and the group's token count sets it.
+        """
         cfg = self.cfg
         w1 = self.w1 if w1 is None else w1
         w2 = self.w2 if w2 is None else w2
@@ -83,8 +87,9 @@ class Experts(nn.Module):
         if impl == "reference":
             return reference_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation), None
         if impl == "capacity":
-            return capacity_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation,
-                                    cfg.capacity(x_TH.shape[0]))
+            if capacity is None:
+                capacity = cfg.capacity(x_TH.shape[0])
+            return capacity_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation, capacity)
         from megatron_moe.kernels.metadata import routing_metadata
 
         routing = routing_metadata(expert_ids_TK, w1.shape[0], cfg.block_size)

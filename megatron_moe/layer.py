@@ -6,6 +6,11 @@
     y = layer(x)          # x: [tokens, hidden] or [seq, batch, hidden]; y has x's shape
     layer.aux_loss        # load-balancing (+ z-) loss of the last forward, differentiable
 
+Expert parallelism: ``DroplessMoE(cfg, ep_group=group)`` holds experts
+[rank*E/P, (rank+1)*E/P) of the group in ``experts.w1``/``experts.w2`` (same per-expert layout,
+so a single-GPU checkpoint's experts slice onto ranks and back) and exchanges tokens with
+all-to-all (megatron_moe/dispatch.py). The router is replicated on every rank.
+
 Under torch.autocast the expert compute runs in the autocast dtype (bf16 on GPUs) while the
 router stays in fp32.
 """
@@ -15,20 +20,26 @@ import torch
 import torch.nn as nn
 
 from .config import MoEConfig
-from .dispatch import Dispatcher, LocalDispatcher
+from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from .experts import Experts, SharedExpert
 from .router import TopKRouter
 
 
 class DroplessMoE(nn.Module):
-    def __init__(self, cfg: MoEConfig, dispatcher: Dispatcher | None = None):
+    def __init__(self, cfg: MoEConfig, ep_group=None, dispatcher: Dispatcher | None = None):
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"DroplessMoE(cfg): expected a MoEConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.router = TopKRouter(cfg)
-        self.dispatcher = dispatcher or LocalDispatcher()
-        self.experts = Experts(cfg)
+        if dispatcher is None:
+            use_a2a = ep_group is not None and torch.distributed.get_world_size(ep_group) > 1
+            dispatcher = AllToAllDispatcher(ep_group, cfg.num_experts) if use_a2a else LocalDispatcher()
+        self.dispatcher = dispatcher
+        self.ep_size = dispatcher.num_ranks
+        self.ep_rank = getattr(dispatcher, "rank", 0)
+        self.num_local_experts = cfg.num_experts // self.ep_size
+        self.experts = Experts(cfg, self.num_local_experts)
         self.shared_expert = SharedExpert(cfg) if cfg.shared_expert_ffn_hidden_size > 0 else None
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
@@ -59,7 +70,8 @@ class DroplessMoE(nn.Module):
             xc_TH = x_TH.to(dtype)
             w1, w2 = self.experts.w1.to(dtype), self.experts.w2.to(dtype)
             xd, ids, w, ctx = self.dispatcher.dispatch(xc_TH, r.expert_ids_TK, r.weights_TK)
-            y, dropped = self.experts(xd, ids, w, w1=w1, w2=w2)
+            y, dropped = self.experts(xd, ids, w, w1=w1, w2=w2,
+                                      capacity=self.cfg.capacity(x_TH.shape[0] * self.ep_size))
             y_TH = self.dispatcher.combine(y, ctx)
             self.dropped_fraction = None if dropped is None else dropped.detach()
             if self.shared_expert is not None:

@@ -13,11 +13,15 @@ import torch.nn.functional as F
 from megatron_moe import DroplessMoE, MoEConfig
 
 DROPLESS = ["reference", "grouped", "blocksparse"]
+# On a GPU machine the layer runs on the GPU (Triton kernels compiled); on the CPU the kernels
+# run under the Triton interpreter (tests/conftest.py). The loop reference always runs in
+# float64 on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def loop_reference(x_TH, router_EH, w1, w2, cfg: MoEConfig, bias_E=None):
     """float64, one token at a time: logits, scores, top-k, Σ_k weight·expert(x)."""
-    x_TH, router_EH, w1, w2 = (t.double() for t in (x_TH, router_EH, w1, w2))
+    x_TH, router_EH, w1, w2 = (t.double().cpu() for t in (x_TH, router_EH, w1, w2))
     ys = []
     for t in range(x_TH.shape[0]):
         logits = router_EH @ x_TH[t]
@@ -51,26 +55,27 @@ def make_layer(cfg, seed=0, device="cpu"):
 
 
 def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_against_loop(cfg, T, dtype=torch.float32, tol=1e-5, x=None, setup=None, device="cpu"):
+def check_against_loop(cfg, T, dtype=torch.float32, tol=1e-5, x=None, setup=None, device=DEVICE):
     layer = make_layer(cfg, device=device)
     if setup is not None:
         setup(layer)
     if x is None:
-        x = torch.randn(T, cfg.hidden_size, device=device)
-    x = x.to(dtype).requires_grad_(True)
+        x = torch.randn(T, cfg.hidden_size)
+    x = x.to(device, dtype).requires_grad_(True)
     y = layer(x)
     assert y.shape == x.shape and y.dtype == dtype
     dy = torch.randn_like(y)
     (y * dy).sum().backward()
 
     params = [layer.router.weight, layer.experts.w1, layer.experts.w2]
-    ref_params = [p.detach().double().requires_grad_(True) for p in params]
-    x_ref = x.detach().double().requires_grad_(True)
+    ref_params = [p.detach().double().cpu().requires_grad_(True) for p in params]
+    x_ref = x.detach().double().cpu().requires_grad_(True)
     y_ref = loop_reference(x_ref, *ref_params, cfg)
-    (y_ref * dy.double()).sum().backward()
+    (y_ref * dy.double().cpu()).sum().backward()
 
     assert torch.isfinite(y).all()
     assert rel(y, y_ref) < tol, f"forward rel err {rel(y, y_ref)}"
@@ -128,7 +133,7 @@ def test_all_tokens_to_one_expert(impl):
 
     x = torch.rand(33, cfg.hidden_size) + 0.1  # positive: expert 5 wins for every token
     layer = check_against_loop(cfg, T=33, x=x, setup=setup)
-    assert layer.tokens_per_expert.tolist() == [0, 0, 0, 0, 0, 33, 0, 0]
+    assert layer.tokens_per_expert.cpu().tolist() == [0, 0, 0, 0, 0, 33, 0, 0]
 
 
 @pytest.mark.parametrize("impl", DROPLESS)
