@@ -1,0 +1,72 @@
+"""tools/compare_runs.py on synthetic run directories with known answers."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+TOOLS = os.path.join(os.path.dirname(__file__), "..", "tools")
+sys.path.insert(0, TOOLS)
+import compare_runs  # noqa: E402
+
+
+def write_run(root, name, step_time, tokens_per_s, val, dropped=None, repeat_step=None):
+    d = root / name
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump({"name": name, "model": {"seq_length": 100},
+                                                   "train": {"micro_batch_size": 4}}))
+    lines = []
+    for step in range(1, 11):
+        m = {"step": step, "consumed_samples": 8 * step, "lm_loss": 5.0 - step * 0.1,
+             "tokens_per_s": tokens_per_s, "step_time_s": step_time, "peak_mem_gb": 1.5,
+             "expert_load/layer1/cv": 0.5 / step, "world_size": 2}
+        if step % 5 == 0:
+            m["val_loss"] = val[step // 5 - 1]
+        if dropped is not None:
+            m["dropped_fraction"] = dropped
+        lines.append(json.dumps(m))
+    if repeat_step:  # a resumed run writes the step again; the later record wins
+        lines.append(json.dumps({"step": repeat_step, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                                 "world_size": 2, "consumed_samples": 8 * repeat_step}))
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 11, \"trunc")
+    return d
+
+
+def test_table_numbers(tmp_path):
+    a = write_run(tmp_path, "dense", step_time=2.0, tokens_per_s=1000.0, val=[4.0, 3.0])
+    b = write_run(tmp_path, "moe", step_time=1.0, tokens_per_s=2000.0, val=[3.5, 2.5], dropped=0.1)
+    runs = [compare_runs.load_run(str(a)), compare_runs.load_run(str(b))]
+    rows, target = compare_runs.summarize(runs, "dense", None)
+    assert target == 3.0  # the worst final validation loss
+    dense, moe = rows
+    assert dense["tokens_per_s_per_gpu"] == 500.0 and moe["tokens_per_s_per_gpu"] == 1000.0
+    assert dense["time_to_target_s"] == pytest.approx(20.0)  # reaches 3.0 at step 10
+    # moe: 3.5 at 5 s, 2.5 at 10 s -> 3.0 at 7.5 s
+    assert moe["time_to_target_s"] == pytest.approx(7.5)
+    assert moe["time_to_target_speedup"] == pytest.approx(20.0 / 7.5)
+    assert moe["throughput_speedup"] == pytest.approx(2.0)
+    assert moe["dropped_fraction"] == pytest.approx(0.1) and dense["dropped_fraction"] is None
+    assert moe["micro_batch"] == 4 and moe["final_val_loss"] == 2.5
+
+
+def test_cli_writes_table_and_plots(tmp_path):
+    a = write_run(tmp_path, "dense", 2.0, 1000.0, [4.0, 3.0], repeat_step=3)
+    b = write_run(tmp_path, "moe", 1.0, 2000.0, [3.5, 2.5])
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "compare_runs.py"), str(a), str(b),
+                          "--baseline", "dense", "--plots", str(tmp_path / "plots"),
+                          "--markdown", str(tmp_path / "t.md")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "| moe |" in out.stdout and "2.67" in out.stdout
+    for f in ("val_loss_vs_time.png", "val_loss_vs_tokens.png", "throughput.png", "expert_load.png"):
+        assert (tmp_path / "plots" / f).stat().st_size > 1000
+    assert (tmp_path / "t.md").read_text().startswith("| run |")
+
+
+def test_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        compare_runs.load_run(str(tmp_path))
+    a = write_run(tmp_path, "dense", 2.0, 1000.0, [4.0, 3.0])
+    with pytest.raises(ValueError, match="--baseline 'nope' is not one of the runs"):
+        compare_runs.summarize([compare_runs.load_run(str(a))], "nope", None)

@@ -1,0 +1,255 @@
+"""Compare training runs: a table of throughput, memory and loss, and PNG plots.
+
+    python tools/compare_runs.py runs/gpt-xs runs/dmoe-xs runs/moe-xs --baseline gpt-xs
+    python tools/compare_runs.py runs/* --target-loss 3.5 --plots plots/ --markdown table.md
+
+Each run is a run directory of ``megatron-moe-train`` (metrics.jsonl and config.yaml). Printed
+per run: tokens/s per GPU and TFLOP/s per GPU (medians over the steps after the first 10%,
+which hold compilation and autotuning), MFU, micro-batch, peak memory, the final validation
+loss, the mean dropped-token fraction (capacity models), the wall time to reach the target
+validation loss (linear interpolation between evaluations; default: the worst final validation
+loss among the runs, so every run reaches it) and the speed-ups against the baseline run
+(throughput ratio, and time-to-target ratio).
+
+Plots (``--plots DIR``): validation loss against wall time and against tokens, throughput
+bars, and expert load (coefficient of variation, mean over layers) over training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+
+
+@dataclass
+class Run:
+    name: str
+    path: str
+    steps: list[dict] = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    def series(self, key: str) -> list[tuple[dict, float]]:
+        return [(m, m[key]) for m in self.steps if isinstance(m.get(key), (int, float))]
+
+
+def load_run(path: str) -> Run:
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        raise FileNotFoundError(f"{path}: no metrics.jsonl (is it a megatron-moe-train run directory?)")
+    steps = []
+    with open(metrics) as f:
+        for i, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                steps.append(json.loads(line))
+            except json.JSONDecodeError:  # a run killed mid-line: keep what is complete
+                print(f"warning: {metrics}:{i}: skipping an incomplete line", file=sys.stderr)
+    cfg = {}
+    cfg_path = os.path.join(path, "config.yaml")
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            cfg = yaml.safe_load(f) or {}
+    # a resumed run repeats the steps after its last checkpoint: keep the last record of each step
+    by_step = {m["step"]: m for m in steps if "step" in m}
+    ordered = [by_step[k] for k in sorted(by_step)]
+    return Run(name=cfg.get("name") or os.path.basename(os.path.normpath(path)), path=path,
+               steps=ordered, config=cfg)
+
+
+def _tokens_per_sample(run: Run) -> int | None:
+    return (run.config.get("model") or {}).get("seq_length")
+
+
+def wall_clock(run: Run) -> list[tuple[float, dict]]:
+    """(seconds since the start, record) with the time summed over step_time_s."""
+    t, out = 0.0, []
+    for m in run.steps:
+        if isinstance(m.get("step_time_s"), (int, float)):
+            t += m["step_time_s"]
+        out.append((t, m))
+    return out
+
+
+def tokens_seen(run: Run, m: dict) -> float | None:
+    seq = _tokens_per_sample(run)
+    if seq and isinstance(m.get("consumed_samples"), (int, float)):
+        return m["consumed_samples"] * seq
+    return None
+
+
+def steady(values: list[float]) -> float | None:
+    """Median after dropping the first 10% (at least one value when there are several)."""
+    if not values:
+        return None
+    skip = max(1, len(values) // 10) if len(values) > 1 else 0
+    return statistics.median(values[skip:])
+
+
+def val_curve(run: Run) -> list[tuple[float, float | None, float]]:
+    """(wall seconds, tokens, val_loss) at each evaluation."""
+    return [(t, tokens_seen(run, m), m["val_loss"]) for t, m in wall_clock(run)
+            if isinstance(m.get("val_loss"), (int, float))]
+
+
+def time_to_loss(run: Run, target: float) -> float | None:
+    """Wall seconds at which the validation loss first reaches ``target`` (interpolated)."""
+    prev = None
+    for t, _, v in val_curve(run):
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return t
+            (t0, v0) = prev
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+        prev = (t, v)
+    return None
+
+
+def summarize(runs: list[Run], baseline: str | None, target: float | None) -> tuple[list[dict], float | None]:
+    finals = [val_curve(r)[-1][2] for r in runs if val_curve(r)]
+    if target is None and finals:
+        target = max(finals)
+    rows = []
+    for r in runs:
+        tps = [v for _, v in r.series("tokens_per_s")]
+        world = next((m["world_size"] for m in r.steps if isinstance(m.get("world_size"), int)), 1)
+        vc = val_curve(r)
+        row = dict(
+            run=r.name,
+            tokens_per_s_per_gpu=(steady(tps) / world) if tps else None,
+            tflops_per_gpu=steady([v for _, v in r.series("tflops_per_gpu")]),
+            mfu=steady([v for _, v in r.series("mfu")]),
+            micro_batch=(r.config.get("train") or {}).get("micro_batch_size"),
+            peak_mem_gb=max([v for _, v in r.series("peak_mem_gb")], default=None),
+            final_val_loss=vc[-1][2] if vc else None,
+            dropped_fraction=(statistics.mean([v for _, v in r.series("dropped_fraction")])
+                              if r.series("dropped_fraction") else None),
+            time_to_target_s=time_to_loss(r, target) if target is not None else None,
+            steps=max([m.get("step", 0) for m in r.steps], default=0),
+        )
+        rows.append(row)
+    base = next((row for row in rows if row["run"] == baseline), None)
+    if baseline and base is None:
+        raise ValueError(f"--baseline {baseline!r} is not one of the runs: {[r['run'] for r in rows]}")
+    for row in rows:
+        row["throughput_speedup"] = (row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+                                     if base and row["tokens_per_s_per_gpu"] and base["tokens_per_s_per_gpu"] else None)
+        row["time_to_target_speedup"] = (base["time_to_target_s"] / row["time_to_target_s"]
+                                         if base and row["time_to_target_s"] and base["time_to_target_s"] else None)
+    return rows, target
+
+
+COLUMNS = [("run", "run", "{}"), ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0f}"),
+           ("tflops_per_gpu", "TFLOP/s/GPU", "{:.1f}"), ("mfu", "MFU", "{:.1%}"),
+           ("micro_batch", "micro-batch", "{}"), ("peak_mem_gb", "peak GB", "{:.1f}"),
+           ("final_val_loss", "val loss", "{:.3f}"), ("dropped_fraction", "dropped", "{:.1%}"),
+           ("time_to_target_s", "time to target (s)", "{:.0f}"),
+           ("throughput_speedup", "throughput x", "{:.2f}"), ("time_to_target_speedup", "time-to-target x", "{:.2f}")]
+
+
+def _fmt(v, spec):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return spec.format(v)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
+    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(k), spec) for k, _, spec in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def make_plots(runs: list[Run], rows: list[dict], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        p = os.path.join(out_dir, name)
+        fig.tight_layout()
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+
+    for xkey, xlabel, fname in ((0, "wall time (s)", "val_loss_vs_time.png"), (1, "tokens", "val_loss_vs_tokens.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in runs:
+            pts = [(p[xkey], p[2]) for p in val_curve(r) if p[xkey] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3, label=r.name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        save(fig, fname)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["run"] for r in rows]
+    vals = [r["tokens_per_s_per_gpu"] or 0 for r in rows]
+    ax.bar(names, vals, color="tab:blue")
+    ax.set_ylabel("tokens/s per GPU")
+    ax.tick_params(axis="x", rotation=30)
+    save(fig, "throughput.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drew = False
+    for r in runs:
+        pts = []
+        for m in r.steps:
+            cvs = [v for k, v in m.items() if k.startswith("expert_load/") and k.endswith("/cv")
+                   and isinstance(v, (int, float))]
+            if cvs and "step" in m:
+                pts.append((m["step"], statistics.mean(cvs)))
+        if pts:
+            ax.plot(*zip(*pts), label=r.name)
+            drew = True
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert load CV (mean over layers)")
+    ax.grid(alpha=0.3)
+    if drew:
+        ax.legend()
+    save(fig, "expert_load.png")
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("--baseline", help="run name the speed-ups are relative to (default: the first run)")
+    ap.add_argument("--target-loss", type=float, help="validation loss for time-to-target (default: the worst final)")
+    ap.add_argument("--plots", help="write PNG plots into this directory")
+    ap.add_argument("--markdown", help="write the table as Markdown into this file")
+    ap.add_argument("--json", help="write the rows as JSON into this file")
+    args = ap.parse_args(argv)
+    runs = [load_run(p) for p in args.runs]
+    rows, target = summarize(runs, args.baseline or runs[0].name, args.target_loss)
+    table = markdown_table(rows)
+    print(table)
+    if target is not None:
+        print(f"\ntarget validation loss: {target:.3f}; baseline: {args.baseline or runs[0].name}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(target_loss=target, rows=rows), f, indent=1)
+    if args.plots:
+        for p in make_plots(runs, rows, args.plots):
+            print("wrote", p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
