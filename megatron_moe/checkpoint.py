@@ -1,0 +1,269 @@
+"""Atomic training checkpoints: model, optimizer, scheduler, data position, RNG states, config.
+
+Layout (``run_dir/checkpoints``)::
+
+    iter_0000100/            one complete checkpoint
+        model.pt             model.state_dict()                       (rank 0)
+        optimizer.pt         optimizer.state_dict()                   (rank 0)
+        rng_rank00000.pt     python / numpy / torch / CUDA RNG states (every rank its own)
+        meta.json            step, consumed samples, scheduler, resolved config, and the size
+                             of every file above; written last
+    latest                   text: the directory name of the newest complete checkpoint
+
+A save writes everything into ``.tmp-iter_XXXXXXX``, fsyncs each file and the folder, renames
+the folder to ``iter_XXXXXXX`` and only then replaces ``latest`` atomically (write
+``latest.tmp``, fsync, ``os.replace``). A crash at any point leaves ``latest`` naming the
+previous complete checkpoint. ``load_checkpoint`` checks that every file named in meta.json is
+there with its size before reading any of it.
+
+Data parallelism: parameters are replicated, so rank 0 writes the model and optimizer; each
+rank writes its RNG states; barriers order the steps when torch.distributed is initialised.
+
+    from megatron_moe.checkpoint import save_checkpoint, latest_checkpoint, load_checkpoint
+    save_checkpoint(run_dir, step=100, model=model, optimizer=opt, meta={...})
+    path = latest_checkpoint(run_dir)            # None when there is none
+    meta = load_checkpoint(path, model, opt)     # restores RNG states too
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+FORMAT_VERSION = 1
+CKPT_DIRNAME = "checkpoints"
+LATEST = "latest"
+
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint",
+           "verify_checkpoint", "checkpoint_dir", "get_rng_state", "set_rng_state"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit the model."""
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CKPT_DIRNAME
+
+
+def _iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng_rank{rank:05d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def get_rng_state() -> dict:
+    """Every RNG the training step may draw from, in a form torch.load(weights_only=True) reads."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+        try:
+            from megatron.core import tensor_parallel
+
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            state["cuda_tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
+        except Exception:  # no megatron / no tracker: nothing else to save
+            pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+        if state.get("cuda_tracker"):
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["cuda_tracker"]))
+
+
+def _as_tuple(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_as_tuple(v) for v in x)
+    if isinstance(x, tuple):
+        return tuple(_as_tuple(v) for v in x)
+    return x
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, meta: dict) -> Path:
+    """Write checkpoint ``step`` atomically and point ``latest`` at it. Every rank must call it.
+
+    ``meta`` is JSON-serialisable (consumed samples, scheduler state, resolved config, ...);
+    ``step`` and the file manifest are added to it. Returns the checkpoint's directory.
+    """
+    rank, world = _dist()
+    root = checkpoint_dir(run_dir)
+    final = root / _iter_name(step)
+    tmp = root / f".tmp-{_iter_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by an earlier crash
+        tmp.mkdir()
+    _barrier()
+
+    _save_file(get_rng_state(), tmp / _rng_name(rank))
+    _barrier()
+
+    if rank == 0:
+        _save_file(model.state_dict(), tmp / "model.pt")
+        if optimizer is not None:
+            _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        full_meta = {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world,
+                     **meta, "files": files}
+        _write_text(tmp / "meta.json", json.dumps(full_meta, indent=1, sort_keys=False))
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # re-saving a step (after resuming from an older one)
+            old = root / f".old-{_iter_name(step)}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        latest_tmp = root / f"{LATEST}.tmp"
+        _write_text(latest_tmp, final.name + "\n")
+        os.replace(latest_tmp, root / LATEST)
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names, or None when the run has no checkpoint yet."""
+    root = checkpoint_dir(run_dir)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not name or "/" in name or name.startswith("."):
+        raise CheckpointError(f"{pointer} is corrupt (it holds {name!r}); write the name of a "
+                              f"complete checkpoint directory in {root} into it")
+    return root / name
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check the checkpoint is complete (every file of its manifest, with its size); return meta."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not meta_path.exists():
+        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing (the save "
+                              "did not finish); resume from an older checkpoint by writing its "
+                              f"name into {path.parent / LATEST}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: meta.json is unreadable: {e}") from None
+    files = meta.get("files")
+    if not isinstance(files, dict) or "model.pt" not in files:
+        raise CheckpointError(f"checkpoint {path}: meta.json has no file manifest")
+    for name, size in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} has "
+                                  f"{f.stat().st_size} bytes, the manifest says {size}")
+    return meta
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True,
+                    map_location: str | torch.device = "cpu") -> dict:
+    """Verify, then load model (strict), optimizer and this rank's RNG states; return meta."""
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    rank, world = _dist()
+    state = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model (was the model config "
+                              f"changed?): {str(e).splitlines()[0]}") from None
+    if optimizer is not None:
+        if "optimizer.pt" not in meta["files"]:
+            raise CheckpointError(f"checkpoint {path} has no optimizer state")
+        opt_state = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit: {e}") from None
+    if restore_rng:
+        rng_file = path / _rng_name(rank)
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        else:
+            meta["rng_restored"] = False  # saved with fewer ranks: RNG streams start anew
+    return meta

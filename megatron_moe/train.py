@@ -1,0 +1,634 @@
+"""Pretrain a megatron-core GPT (dense or with our MoE) from a YAML config.
+
+    megatron-moe-train                                   # configs/tiny-cpu.yaml, CPU, a few minutes
+    megatron-moe-train --config configs/dmoe-xs.yaml train.lr=3e-4 name=dmoe-xs-lr3e-4
+    megatron-moe-train --config configs/dmoe-xs.yaml --resume        # continue runs/dmoe-xs
+    megatron-moe-train --config configs/dmoe-xs.yaml --print-config  # the resolved YAML
+    torchrun --standalone --nproc-per-node 8 -m megatron_moe.train --config configs/dmoe-xs.yaml
+    scripts/pretrain.sh configs/dmoe-xs.yaml             # the same, all GPUs of this node
+
+One process on the CPU (gloo, fp32) or one per GPU under torchrun (NCCL, device LOCAL_RANK,
+bf16 autocast over fp32 parameters). Data parallelism is done here, not by DDP: after the
+micro-batches of a step are accumulated, gradients are all-reduced in flattened buckets and
+averaged, dense parameters and expert parameters (``expert_parallel = True``) as separate
+groups so that expert parallelism can reduce the latter over its own group.
+
+Each step: ``global_batch_size / (micro_batch_size * data_parallel_size)`` micro-batches
+(LM loss scaled by 1/num_micro, aux loss too via ``set_aux_loss_scale``), bucketed
+all-reduce, gradient clipping (global norm, each parameter counted once), AdamW (no decay
+on biases and norm weights), linear warm-up then cosine decay to min_lr, and
+``update_expert_biases``. The data order is a function of the consumed-sample count, so
+``--resume`` continues exactly: N steps + resume N steps give the same losses as 2N straight.
+Evaluation: every ``train.eval_interval`` steps and at the last step, the mean LM loss over
+the same ``eval_iters * global_batch_size`` validation sequences each time (val_loss, val_ppl).
+``train.exit_interval`` stops early with a checkpoint (e.g. inside a Slurm time limit).
+The run directory ``logging.runs_dir/name`` holds config.yaml, metrics.jsonl, wandb/ and
+checkpoints/ (see megatron_moe/checkpoint.py and megatron_moe/metrics.py). A fresh start in a
+run directory that has checkpoints is refused (pass --resume or another name=...); --resume
+with no checkpoint starts from scratch. MEGATRON_MOE_DEBUG=1 shows tracebacks of input errors.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import re
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint,
+                         verify_checkpoint)
+from .metrics import MetricsLogger, expert_load_stats, format_line
+from .run_config import ConfigError, RunConfig, load_config
+
+__all__ = ["main", "train", "lr_at", "build_optimizer", "GradReducer", "clip_grad_norm"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
+BUCKET_NUMEL = 2 ** 25  # elements per all-reduce bucket (128 MiB of fp32 grads)
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    created_group: bool
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> DistInfo:
+    """Initialise torch.distributed: env:// under torchrun, else a world of one process.
+
+    NCCL with device LOCAL_RANK when CUDA is available, gloo on the CPU. Idempotent.
+    """
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    created = False
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
+        created = True
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, created)
+
+
+def _unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """named_parameters without duplicates (tied embeddings count once), trainable only."""
+    seen, out = set(), []
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out
+
+
+class GradReducer:
+    """Data-parallel gradient averaging in flattened buckets, dense and expert params apart.
+
+    ``dense_group``/``expert_group``: process groups (None = the world). Gradients are summed
+    over the group and divided by ``dense_divisor``/``expert_divisor`` (default: the group's
+    size). With expert parallelism the expert group becomes the expert-data-parallel group
+    while the divisor stays the world size (megatron_moe/parallel.py explains why).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], *, dense_group=None, expert_group=None,
+                 dense_divisor: int | None = None, expert_divisor: int | None = None,
+                 bucket_numel: int = BUCKET_NUMEL):
+        self.dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+        self.expert = [p for p in params if getattr(p, "expert_parallel", False)]
+        self.groups = []
+        for ps, group, div in ((self.dense, dense_group, dense_divisor),
+                               (self.expert, expert_group, expert_divisor)):
+            size = dist.get_world_size(group) if dist.is_initialized() else 1
+            self.groups.append((ps, group, size, div or size))
+        self.bucket_numel = bucket_numel
+
+    def _buckets(self, params):
+        bucket, n = [], 0
+        for p in params:
+            if bucket and (n + p.numel() > self.bucket_numel or p.grad.dtype != bucket[0].grad.dtype):
+                yield bucket
+                bucket, n = [], 0
+            bucket.append(p)
+            n += p.numel()
+        if bucket:
+            yield bucket
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        for params, group, size, divisor in self.groups:
+            for p in params:
+                if p.grad is None:  # unused this step on this rank: still take part
+                    p.grad = torch.zeros_like(p)
+            if size == 1 and divisor == 1:
+                continue
+            for bucket in self._buckets(params):
+                grads = [p.grad for p in bucket]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                if size > 1:
+                    dist.all_reduce(flat, group=group)
+                flat.div_(divisor)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    @torch.no_grad()
+    def broadcast_params(self, model: torch.nn.Module) -> None:
+        """Make every rank start from rank 0's parameters and buffers (world of > 1 only)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        for params, group, size, _ in self.groups:
+            if size == 1:
+                continue
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for p in params:
+                dist.broadcast(p.data, src=src, group=group)
+        nccl = dist.get_backend() == "nccl"
+        for b in model.buffers():
+            if not (nccl and not b.is_cuda):  # NCCL moves CUDA tensors only
+                dist.broadcast(b, src=0)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradients (each parameter once); scale them to max_norm if above
+    (max_norm 0 = only measure). Returns the norm before clipping (fp32 scalar tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(grads, 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total
+
+
+def build_optimizer(model: torch.nn.Module, tc, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with Megatron's decay rule: no weight decay on biases and 1-D (norm) weights."""
+    decay, no_decay = [], []
+    for name, p in _unique_params(model):
+        (no_decay if (name.endswith(".bias") or p.ndim == 1) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
+    if device.type == "cuda":
+        kwargs["fused"] = True
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_at(step: int, tc) -> float:
+    """Learning rate of step ``step`` (0-based): linear warm-up from lr/warmup to lr over
+    lr_warmup_iters steps, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    warm, decay = tc.lr_warmup_iters, tc.decay_iters
+    if step < warm:
+        return tc.lr * (step + 1) / warm
+    if step >= decay:
+        return tc.min_lr
+    progress = (step - warm) / max(decay - warm, 1)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class MicroBatchSampler:
+    """Index lists of this rank's micro-batches, in order, from ``start`` consumed samples.
+
+    Global step g covers samples [g*B, (g+1)*B) (B = global batch), cut into chunks of
+    micro*dp samples; in each chunk rank r takes [r*micro, (r+1)*micro). A function of the
+    consumed-sample count alone, so a resumed run reads exactly what a straight run reads.
+    """
+
+    def __init__(self, start: int, end: int, micro: int, rank: int, dp: int):
+        self.start, self.end, self.micro, self.rank, self.dp = start, end, micro, rank, dp
+
+    def __iter__(self):
+        chunk = self.micro * self.dp
+        s = self.start
+        while s + chunk <= self.end:
+            lo = s + self.rank * self.micro
+            yield list(range(lo, lo + self.micro))
+            s += chunk
+
+    def __len__(self) -> int:
+        return max(0, (self.end - self.start) // (self.micro * self.dp))
+
+
+def _loader(dataset, sampler, device: torch.device, seed: int):
+    """Worker processes on GPUs; its own generator, so the global torch RNG is not drawn from."""
+    cuda = device.type == "cuda"
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=2 if cuda else 0,
+                                       pin_memory=cuda, generator=gen)
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _moe_layer_names(model: torch.nn.Module, layers: list) -> list[str]:
+    """'layerN' (1-based transformer layer) for each MoE layer, found from module names."""
+    ids = {id(m): i for i, m in enumerate(layers)}
+    names = [f"moe{i}" for i in range(len(layers))]
+    for name, m in model.named_modules():
+        if id(m) in ids:
+            found = re.findall(r"layers\.(\d+)\.", name + ".")
+            if found:
+                names[ids[id(m)]] = f"layer{int(found[-1]) + 1}"
+    return names
+
+
+def _print0(rank: int, *args, bar=None) -> None:
+    if rank != 0:
+        return
+    msg = " ".join(str(a) for a in args)
+    if bar is not None and not bar.disable:
+        bar.write(msg)
+    else:
+        print(msg, flush=True)
+
+
+def _forward_loss(model, batch: dict, amp) -> torch.Tensor:
+    """Mean LM loss over the micro-batch's unmasked tokens (fp32 scalar)."""
+    with amp():
+        loss_BS = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (loss_BS.float() * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def evaluate(model, batches, amp, device) -> float:
+    """Mean validation LM loss over this rank's validation micro-batches (an iterable of
+    batches), averaged over ranks (every rank has the same number of them)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    n = 0
+    for b in batches:
+        total += _forward_loss(model, _to(b, device), amp)
+        n += 1
+    total /= max(n, 1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    model.train(was_training)
+    return float(total)
+
+
+def _count_params(model_cfg) -> dict | None:
+    try:
+        from .flops import count_parameters
+
+        return count_parameters(model_cfg)
+    except Exception:  # noqa: BLE001 - purely informative
+        return None
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train(cfg: RunConfig, resume: bool = False) -> dict:
+    """Train per ``cfg``; with ``resume`` continue from run_dir/checkpoints/latest (if any).
+
+    Returns the final metrics: step, consumed_samples, lm_loss, val_loss, losses (the LM loss
+    of every step run by this call), steps, run_dir, checkpoint, wall_time_s.
+    """
+    t_start = time.time()
+    tc = cfg.train
+    run_dir = cfg.run_dir
+    # Checks that need no process group come first, so bad input fails fast and cleanly.
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    per_step = tc.micro_batch_size * world
+    if tc.global_batch_size % per_step:
+        raise TrainError(
+            f"train.global_batch_size={tc.global_batch_size} is not divisible by "
+            f"train.micro_batch_size ({tc.micro_batch_size}) x data-parallel size ({world}) = "
+            f"{per_step}: choose a global batch that is a multiple of {per_step}")
+    num_micro = tc.global_batch_size // per_step
+
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except CheckpointError as e:
+        raise TrainError(str(e)) from None
+    if ckpt is not None and not resume:
+        raise TrainError(
+            f"run directory {run_dir} already holds checkpoints (latest: {ckpt.name}): pass "
+            "--resume to continue it, give the run another name (name=...), or delete the directory")
+    step, consumed = 0, 0
+    if resume and ckpt is not None:
+        try:
+            meta = verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            raise TrainError(str(e)) from None
+        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
+
+    di = setup_distributed()
+    rank, device = di.rank, di.device
+    if resume and ckpt is None:
+        _print0(rank, f"--resume: no checkpoint in {run_dir}, starting from scratch")
+
+    # Logging first: whatever W&B does to the RNGs happens before seeding.
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    logger = MetricsLogger(cfg, run_dir, enabled=rank == 0, resume_step=step)
+    try:
+        return _train(cfg, di, logger, num_micro, ckpt if resume else None, step, consumed, t_start)
+    except BaseException:
+        logger.close(exit_code=1)
+        raise
+
+
+def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, ckpt: Path | None,
+           step: int, consumed: int, t_start: float) -> dict:
+    from . import update_expert_biases
+    from .data import build_datasets, prepare_data
+    from .megatron_adapter import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
+
+    tc, mc = cfg.train, cfg.model
+    rank, world, device = di.rank, di.world_size, di.device
+    run_dir = cfg.run_dir
+    per_step = tc.micro_batch_size * world
+
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+    torch.manual_seed(tc.seed)
+    init_megatron(tc.seed)
+
+    prepared = prepare_data(cfg.data, rank=rank)
+    n_train = tc.train_iters * tc.global_batch_size
+    # As in Megatron-LM: one evaluation = eval_iters global batches, the same samples every
+    # time (so val_loss is comparable across steps and data-parallel sizes).
+    n_valid = tc.eval_iters * tc.global_batch_size if tc.eval_interval > 0 else 0
+    train_ds, valid_ds, _ = build_datasets(
+        cfg.data, prepared, seq_length=mc.seq_length, seed=tc.seed,
+        num_samples=(n_train, max(n_valid, 1), max(n_valid, 1)), model_vocab_size=mc.vocab_size)
+    if n_valid and valid_ds is None:
+        _print0(rank, "warning: the validation split is empty (data.split): evaluation is off")
+        n_valid = 0
+
+    model = build_gpt_model(mc)
+    model.train()
+    params = [p for _, p in _unique_params(model)]
+    reducer = GradReducer(params)
+    reducer.broadcast_params(model)
+    optimizer = build_optimizer(model, tc, device)
+    layers = moe_layers(model)
+    layer_names = _moe_layer_names(model, layers)
+    set_aux_loss_scale(1.0 / num_micro)
+    capacity = mc.moe is not None and mc.moe.mlp_impl == "capacity"
+
+    # Throughput bookkeeping.
+    tokens_per_step = tc.global_batch_size * mc.seq_length
+    fpt = peak = None
+    try:
+        from .flops import flops_per_token, peak_tflops
+
+        fpt = float(flops_per_token(mc))
+        if device.type == "cuda":
+            peak = peak_tflops(torch.cuda.get_device_name(device),
+                               torch.bfloat16 if tc.bf16 else torch.float32)
+    except ImportError:
+        pass
+    use_bf16 = tc.bf16 and device.type == "cuda"
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+
+    counts = _count_params(mc)
+    _print0(rank, f"run {cfg.name}: {run_dir} | {world} x {device.type}"
+            f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}"
+            f" | {'bf16 autocast' if use_bf16 else 'fp32'} | micro {tc.micro_batch_size} x dp {world}"
+            f" x {num_micro} accumulation = global {tc.global_batch_size} | {len(layers)} MoE layers"
+            + (f" | params total {counts['total'] / 1e6:.1f}M, active/token "
+               f"{counts['active'] / 1e6:.1f}M" if counts else ""))
+
+    valid_loader = None
+    if n_valid:  # re-iterated at each evaluation: the same samples every time
+        valid_loader = _loader(valid_ds, MicroBatchSampler(0, n_valid, tc.micro_batch_size, rank, world),
+                               device, tc.seed)
+
+    sampler = MicroBatchSampler(consumed, n_train, tc.micro_batch_size, rank, world)
+    data_iter = iter(_loader(train_ds, sampler, device, tc.seed))
+
+    if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
+        try:
+            meta = load_checkpoint(ckpt, model, optimizer, map_location=device)
+        except CheckpointError as e:
+            raise TrainError(str(e)) from None
+        if meta.get("world_size") != world:
+            _print0(rank, f"note: checkpoint written by {meta.get('world_size')} ranks, resuming on "
+                    f"{world}: same data order, new RNG streams where ranks were added")
+        _print0(rank, f"resumed from {ckpt} at step {step} ({consumed} samples consumed)")
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=tc.train_iters, initial=step, disable=rank != 0 or not sys.stdout.isatty(),
+               unit="step", dynamic_ncols=True)
+    losses, steps = [], []
+    last_val = None
+    last_saved = None
+    exit_code = 1
+    n_layers = len(layers)
+    try:
+        while step < tc.train_iters:
+            t0 = time.perf_counter()
+            lr = lr_at(step, tc)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            # Packed per-step stats: [lm, aux, z, dropped(L), tokens_per_expert(L*E)].
+            lm_sum = torch.zeros((), device=device)
+            aux_sum = torch.zeros((), device=device)
+            z_sum = torch.zeros((), device=device)
+            dropped = torch.zeros(n_layers, device=device)
+            tpe = None
+            for _ in range(num_micro):
+                batch = _to(next(data_iter), device)
+                lm = _forward_loss(model, batch, amp)
+                (lm / num_micro).backward()
+                lm_sum += lm.detach()
+                for i, layer in enumerate(layers):
+                    if layer.load_balancing_loss is not None:
+                        aux_sum += layer.load_balancing_loss.detach().float()
+                    if layer.z_loss is not None:
+                        z_sum += layer.z_loss.detach().float()
+                    if layer.dropped_fraction is not None:
+                        dropped[i] += layer.dropped_fraction.float()
+                if n_layers:
+                    cur = torch.stack([l.tokens_per_expert.float() for l in layers])
+                    tpe = cur if tpe is None else tpe + cur
+            reducer.reduce()
+            grad_norm = clip_grad_norm(params, tc.clip_grad)
+            optimizer.step()
+            update_expert_biases(model)
+            step += 1
+            consumed += tc.global_batch_size
+
+            packed = torch.cat([torch.stack([lm_sum, aux_sum, z_sum]), dropped]
+                               + ([tpe.reshape(-1)] if tpe is not None else []))
+            if world > 1:
+                dist.all_reduce(packed)
+            packed = packed.cpu()  # syncs: the step's work is done
+            step_time = time.perf_counter() - t0
+            denom = num_micro * world
+            lm_loss = float(packed[0]) / denom
+            if not math.isfinite(lm_loss):
+                raise TrainError(f"lm_loss is {lm_loss} at step {step}: the run diverged; lower "
+                                 "train.lr, raise train.lr_warmup_iters or check the data")
+            m = {"consumed_samples": consumed, "tokens": consumed * mc.seq_length,
+                 "lm_loss": lm_loss,
+                 "aux_loss": float(packed[1]) / denom if n_layers else None,  # null: dense
+                 "z_loss": float(packed[2]) / denom if n_layers else None,
+                 "lr": lr, "grad_norm": float(grad_norm),
+                 "tokens_per_s": tokens_per_step / step_time,
+                 "tflops_per_gpu": None, "mfu": None, "step_time_s": step_time,
+                 "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9
+                                 if device.type == "cuda" else None)}
+            if fpt is not None:
+                m["tflops_per_gpu"] = fpt * tokens_per_step / step_time / world / 1e12
+                if peak:
+                    m["mfu"] = m["tflops_per_gpu"] / peak
+            if tpe is not None:
+                m.update(expert_load_stats(packed[3 + n_layers:].reshape(n_layers, -1), layer_names))
+            if capacity and n_layers:
+                per_layer = packed[3:3 + n_layers] / denom
+                m["dropped_fraction"] = float(per_layer.mean())
+                for name, v in zip(layer_names, per_layer.tolist()):
+                    m[f"dropped_fraction/{name}"] = v
+
+            if tc.eval_interval and n_valid and (step % tc.eval_interval == 0 or step == tc.train_iters):
+                last_val = evaluate(model, valid_loader, amp, device)
+                m["val_loss"] = last_val
+                m["val_ppl"] = math.exp(min(last_val, 80.0))
+
+            losses.append(lm_loss)
+            steps.append(step)
+            logger.log(m, step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{m['tokens_per_s']:,.0f}")
+            if step % tc.log_interval == 0 or step == tc.train_iters or "val_loss" in m:
+                _print0(rank, format_line(step, tc.train_iters, m), bar=bar)
+
+            stop = tc.exit_interval is not None and step % tc.exit_interval == 0
+            if (tc.save_interval and step % tc.save_interval == 0) or step == tc.train_iters or stop:
+                path = save_checkpoint(run_dir, step, model, optimizer, {
+                    "consumed_samples": consumed,
+                    "scheduler": {"lr": tc.lr, "min_lr": tc.min_lr, "warmup": tc.lr_warmup_iters,
+                                  "decay_iters": tc.decay_iters, "last_lr": lr},
+                    "config": cfg.to_dict()})
+                last_saved = path
+                _print0(rank, f"saved checkpoint {path}", bar=bar)
+            if stop and step < tc.train_iters:
+                _print0(rank, f"train.exit_interval={tc.exit_interval}: stopping at step {step}; "
+                        "continue with --resume", bar=bar)
+                break
+        exit_code = 0
+    finally:
+        bar.close()
+        if exit_code == 0:
+            logger.summary({"final_lm_loss": losses[-1] if losses else None,
+                            "final_val_loss": last_val})
+        logger.close(exit_code)
+
+    result = {"step": step, "consumed_samples": consumed, "losses": losses, "steps": steps,
+              "lm_loss": losses[-1] if losses else None, "val_loss": last_val,
+              "run_dir": str(run_dir), "checkpoint": str(last_saved) if last_saved else None,
+              "wall_time_s": time.time() - t_start}
+    _print0(rank, f"done: step {step}/{tc.train_iters}, lm_loss "
+            f"{result['lm_loss'] if result['lm_loss'] is None else round(result['lm_loss'], 4)}, "
+            f"val_loss {last_val if last_val is None else round(last_val, 4)}, "
+            f"{result['wall_time_s']:.1f} s, run dir {run_dir}")
+    return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _find_config(path: str) -> Path:
+    p = Path(path)
+    if p.exists():
+        return p
+    for cand in (REPO_ROOT / path, REPO_ROOT / "configs" / path, REPO_ROOT / "configs" / f"{path}.yaml"):
+        if cand.exists():
+            return cand
+    avail = sorted(x.stem for x in (REPO_ROOT / "configs").glob("*.yaml"))
+    raise ConfigError(f"--config {path}: no such file (configs here: {', '.join(avail) or 'none'})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-moe-train",
+        description="Pretrain a megatron-core GPT with dropless MoE from a YAML config.",
+        epilog="Overrides: dotted keys, e.g. train.lr=3e-4 model.moe.top_k=2 name=my-run")
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
+                        help=f"YAML config (default {DEFAULT_CONFIG}); a bare name looks in configs/")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run directory's latest checkpoint (fresh start if none)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_intermixed_args(argv)
+    # megatron-core announces at import that TE/Apex are absent: we use neither, by design.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex|Apex is not installed"
+                            r"|full scope is deprecated).*")
+    try:
+        cfg = load_config(_find_config(args.config), args.overrides)
+    except ConfigError as e:
+        parser.exit(2, f"megatron-moe-train: config error: {e}\n")
+    if args.print_config:
+        sys.stdout.write(cfg.to_yaml())
+        return 0
+    try:
+        train(cfg, resume=args.resume)
+    except (TrainError, ConfigError, FileNotFoundError, ValueError) as e:
+        # Bad input (config, data, checkpoint): one line that says what to change.
+        if os.environ.get("MEGATRON_MOE_DEBUG"):
+            raise
+        print(f"megatron-moe-train: error: {e} (MEGATRON_MOE_DEBUG=1 shows the traceback)",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
