@@ -19,6 +19,13 @@ there with its size before reading any of it.
 Data parallelism: parameters are replicated, so rank 0 writes the model and optimizer; each
 rank writes its RNG states; barriers order the steps when torch.distributed is initialised.
 
+Expert parallelism (``groups.ep_size`` = P > 1): model.pt / optimizer.pt hold the dense
+parameters and their optimizer state only, and the P ranks of the first expert-parallel group
+each write ``experts_ep{j:03d}.pt`` (their experts' weights and optimizer state, keyed by
+parameter name). Every expert is stored exactly once. Loading concatenates the shards in expert
+order and slices each rank's experts, so a run can resume with another expert-parallel size
+(or none); a checkpoint without EP loads onto EP ranks the same way.
+
     from megatron_moe.checkpoint import save_checkpoint, latest_checkpoint, load_checkpoint
     save_checkpoint(run_dir, step=100, model=model, optimizer=opt, meta={...})
     path = latest_checkpoint(run_dir)            # None when there is none
@@ -149,7 +156,7 @@ def _as_tuple(x: Any) -> Any:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None, meta: dict) -> Path:
+                    optimizer: torch.optim.Optimizer | None, meta: dict, groups=None) -> Path:
     """Write checkpoint ``step`` atomically and point ``latest`` at it. Every rank must call it.
 
     ``meta`` is JSON-serialisable (consumed samples, scheduler state, resolved config, ...);
@@ -167,15 +174,27 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     _barrier()
 
     _save_file(get_rng_state(), tmp / _rng_name(rank))
+    ep = groups.ep_size if groups is not None else 1
+    experts = _expert_names(model)
+    if ep > 1 and rank < ep:  # the first EP group: EP rank j == global rank j
+        _save_file(_expert_shard(model, optimizer, experts), tmp / _shard_name(rank))
     _barrier()
 
     if rank == 0:
-        _save_file(model.state_dict(), tmp / "model.pt")
-        if optimizer is not None:
-            _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+        model_state = model.state_dict()
+        opt_state = optimizer.state_dict() if optimizer is not None else None
+        if ep > 1:  # experts live in the shards
+            model_state = {k: v for k, v in model_state.items() if k not in experts}
+            if opt_state is not None:
+                idx2name = _optimizer_param_names(model, optimizer)
+                opt_state["state"] = {i: st for i, st in opt_state["state"].items()
+                                      if idx2name.get(i) not in experts}
+        _save_file(model_state, tmp / "model.pt")
+        if opt_state is not None:
+            _save_file(opt_state, tmp / "optimizer.pt")
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         full_meta = {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world,
-                     **meta, "files": files}
+                     "expert_parallel_size": ep, **meta, "files": files}
         _write_text(tmp / "meta.json", json.dumps(full_meta, indent=1, sort_keys=False))
         _fsync_dir(tmp)
         old = None
@@ -241,12 +260,28 @@ def verify_checkpoint(path: str | Path) -> dict:
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True,
-                    map_location: str | torch.device = "cpu") -> dict:
-    """Verify, then load model (strict), optimizer and this rank's RNG states; return meta."""
+                    map_location: str | torch.device = "cpu", groups=None) -> dict:
+    """Verify, then load model (strict), optimizer and this rank's RNG states; return meta.
+
+    Expert weights and their optimizer state are re-sliced for this rank's expert-parallel
+    position (``groups``), whatever expert-parallel size the checkpoint was written with.
+    """
     path = Path(path)
     meta = verify_checkpoint(path)
     rank, world = _dist()
     state = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+    experts = _expert_names(model)
+    saved_ep = int(meta.get("expert_parallel_size", 1))
+    shards = [torch.load(path / _shard_name(j), map_location="cpu", weights_only=True)
+              for j in range(saved_ep)] if saved_ep > 1 else []
+    if shards:
+        for name in shards[0]["params"]:
+            state[name] = torch.cat([sh["params"][name] for sh in shards])
+    ep_rank = groups.ep_rank if groups is not None else 0
+    local = {n: p.shape[0] for n, p in model.named_parameters() if n in experts}
+    for name, n_local in local.items():
+        if name in state and state[name].shape[0] != n_local:
+            state[name] = state[name][ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
@@ -256,6 +291,21 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         if "optimizer.pt" not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no optimizer state")
         opt_state = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+        idx2name = _optimizer_param_names(model, optimizer)
+        name2idx = {n: i for i, n in idx2name.items()}
+        if shards:  # expert optimizer state: concatenate the shards along the expert dimension
+            for name in shards[0]["optim"]:
+                parts = [sh["optim"][name] for sh in shards]
+                opt_state["state"][name2idx[name]] = {
+                    k: (torch.cat([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() > 0 else v)
+                    for k, v in parts[0].items()}
+        for name, n_local in local.items():
+            st = opt_state["state"].get(name2idx.get(name))
+            if st is None:
+                continue
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] != n_local:
+                    st[k] = v[ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
         try:
             optimizer.load_state_dict(opt_state)
         except (ValueError, KeyError) as e:
@@ -267,3 +317,36 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         else:
             meta["rng_restored"] = False  # saved with fewer ranks: RNG streams start anew
     return meta
+
+
+# ----------------------------------------------------------------------------- expert shards
+
+
+def _shard_name(ep_rank: int) -> str:
+    return f"experts_ep{ep_rank:03d}.pt"
+
+
+def _expert_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
+
+
+def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Index of each parameter in optimizer.state_dict() -> its name in the model."""
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: names[id(p)] for i, p in enumerate(flat) if id(p) in names}
+
+
+def _expert_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, experts: set[str]) -> dict:
+    params = {n: p.detach().cpu() for n, p in model.named_parameters() if n in experts}
+    optim = {}
+    if optimizer is not None:
+        by_id = {id(p): n for n, p in model.named_parameters() if n in experts}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) in by_id and p in optimizer.state:
+                    optim[by_id[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                           for k, v in optimizer.state[p].items()}
+    return {"params": params, "optim": optim}

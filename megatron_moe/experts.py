@@ -60,9 +60,12 @@ def capacity_experts(x_TH, w1_EHF, w2_EFH, expert_ids_TK, weights_TK, activation
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: MoEConfig, num_local_experts: int | None = None):
+    """Stacked expert weights; ``first_expert`` is the global index of local expert 0 (EP)."""
+
+    def __init__(self, cfg: MoEConfig, num_local_experts: int | None = None, first_expert: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.first_expert = first_expert
         E = cfg.num_experts if num_local_experts is None else num_local_experts
         self.w1 = nn.Parameter(torch.empty(E, cfg.hidden_size, cfg.w1_columns))
         self.w2 = nn.Parameter(torch.empty(E, cfg.ffn_hidden_size, cfg.hidden_size))
@@ -70,9 +73,19 @@ class Experts(nn.Module):
             p.expert_parallel = True  # reduced over the expert-data-parallel group only
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.w1, std=self.cfg.init_method_std)
-        nn.init.normal_(self.w2, std=self.cfg.output_init_std or self.cfg.init_method_std)
+        """Each expert from its own generator seeded by (torch.initial_seed(), global index), so an
+        expert's initial weights do not depend on how experts are split over ranks."""
+        if self.w1.device.type == "meta":
+            return
+        gen = torch.Generator(device=self.w1.device)
+        base = torch.initial_seed() % (2**62)
+        std2 = self.cfg.output_init_std or self.cfg.init_method_std
+        for i in range(self.w1.shape[0]):
+            gen.manual_seed(base + 1_000_003 * (self.first_expert + i + 1))
+            self.w1[i].normal_(0.0, self.cfg.init_method_std, generator=gen)
+            self.w2[i].normal_(0.0, std2, generator=gen)
 
     def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None, capacity=None):
         """Σ_k weights_TK[t, k] * expert_{ids[t, k]}(x_TH[t]). Returns (y_TH, dropped_fraction or None).

@@ -39,7 +39,7 @@ class DroplessMoE(nn.Module):
         self.ep_size = dispatcher.num_ranks
         self.ep_rank = getattr(dispatcher, "rank", 0)
         self.num_local_experts = cfg.num_experts // self.ep_size
-        self.experts = Experts(cfg, self.num_local_experts)
+        self.experts = Experts(cfg, self.num_local_experts, first_expert=self.ep_rank * self.num_local_experts)
         self.shared_expert = SharedExpert(cfg) if cfg.shared_expert_ffn_hidden_size > 0 else None
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None

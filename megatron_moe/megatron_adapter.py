@@ -96,6 +96,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import SDPAttention
 from .layer import DroplessMoE
+from .parallel import init_parallel_groups
 from .model_config import ModelConfig
 
 ENV_CONFIG = "MEGATRON_MOE_CONFIG"
@@ -229,8 +230,10 @@ class MoEMLP(MegatronModule):
             if tp != 1:
                 raise ValueError(f"megatron-moe MoE layers need tensor-model-parallel size 1, got {tp} "
                                  "(--tensor-model-parallel-size 1; data parallelism is fine)")
+            ep = self.model_cfg.moe.expert_parallel_size
+            ep_group = init_parallel_groups(ep, moe_cfg.num_experts).ep_group if ep > 1 else None
             with torch.device(_init_device(self.config)):
-                self.moe = DroplessMoE(moe_cfg)
+                self.moe = DroplessMoE(moe_cfg, ep_group=ep_group)
             for p in self.moe.experts.parameters():
                 p.allreduce = False  # megatron-core's mark of expert params
                 p.expert_parallel = True

@@ -91,7 +91,8 @@ class MoESection:
     ffn_hidden_size: int | None = None
     """Width of each expert's MLP; null = model.ffn_hidden_size."""
     expert_parallel_size: int = 1
-    """Ranks the experts are split over (only 1 is supported for now)."""
+    """Ranks the experts are split over (1 = every rank holds all experts); divides num_experts
+    and the world size. Dense parameters stay data-parallel over all ranks."""
 
     def __post_init__(self) -> None:
         p = "model.moe"
@@ -105,9 +106,9 @@ class MoESection:
             _fail(f"{p}.top_k", self.top_k, f"expected 1 <= top_k <= num_experts ({self.num_experts})")
         if self.mlp_impl not in MLP_IMPLS:
             _fail(f"{p}.mlp_impl", self.mlp_impl, f"expected one of {', '.join(MLP_IMPLS)}")
-        if self.expert_parallel_size != 1:
+        if self.num_experts % self.expert_parallel_size:
             _fail(f"{p}.expert_parallel_size", self.expert_parallel_size,
-                  "only 1 is supported for now (every rank holds all experts)")
+                  f"expected a divisor of model.moe.num_experts ({self.num_experts})")
         if _is_int(self.capacity_factor):
             self.capacity_factor = float(self.capacity_factor)
         # The remaining fields are MoEConfig's own: let it validate them and name our key.

@@ -7,8 +7,9 @@ With world size W and expert-parallel size P (``model.moe.expert_parallel_size``
     expert parameters are replicated over them;
   - dense parameters are replicated over all W ranks (the data-parallel group is the world).
 
-Gradient reduction for an update equal to the single-GPU update on the same global batch
-(every rank's loss is the mean over its own tokens, the objective the mean over ranks):
+Gradient reduction (``GradReducer.for_groups``) for an update equal to the single-GPU update on
+the same global batch (every rank's loss is the mean over its own tokens, the objective the
+mean over ranks):
   dense:  all-reduce SUM over the world, / W
   expert: all-reduce SUM over the EDP group, / W (an expert's local gradient already sums the
           contributions of the P ranks of its EP group)
@@ -75,34 +76,124 @@ def is_expert_param(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "expert_parallel", False))
 
 
-def reduce_gradients(params, groups: ParallelGroups) -> None:
-    """Average gradients as described in the module docstring (one flattened all-reduce per group).
+def current_groups() -> ParallelGroups:
+    """The groups made by the last ``init_parallel_groups`` (no expert parallelism if none)."""
+    if _GROUPS:
+        return _GROUPS[next(reversed(_GROUPS))]
+    return init_parallel_groups(1)
 
-    Expert parameters reduce over the EDP group when expert parallelism is on, over the world
-    otherwise; either way every gradient ends up divided by the world size.
+
+BUCKET_NUMEL = 2 ** 25  # elements per all-reduce bucket (128 MiB of fp32 grads)
+
+
+class GradReducer:
+    """Data-parallel gradient averaging in flattened buckets, dense and expert params apart.
+
+    ``dense_group``/``expert_group``: process groups (None = the world). Gradients are summed
+    over the group and divided by ``dense_divisor``/``expert_divisor`` (default: the group's
+    size). ``GradReducer.for_groups`` sets them for expert parallelism: the expert group is the
+    expert-data-parallel group while both divisors stay the world size (module docstring).
     """
-    W = groups.world_size
-    if W == 1:
-        return
-    params = [p for p in params if p.grad is not None]
-    dense = [p for p in params if not is_expert_param(p)]
-    expert = [p for p in params if is_expert_param(p)]
-    _all_reduce_scaled(dense, None, W)
-    if groups.ep_size == 1:
-        _all_reduce_scaled(expert, None, W)
-    elif groups.edp_size > 1:
-        _all_reduce_scaled(expert, groups.edp_group, W)
-    else:  # EP over the whole world: no replica to reduce with, only the 1/W scaling
-        for p in expert:
-            p.grad.div_(W)
+
+    def __init__(self, params: list[torch.nn.Parameter], *, dense_group=None, expert_group=None,
+                 dense_divisor: int | None = None, expert_divisor: int | None = None,
+                 bucket_numel: int = BUCKET_NUMEL):
+        self.dense = [p for p in params if not is_expert_param(p)]
+        self.expert = [p for p in params if is_expert_param(p)]
+        self.groups = []
+        for ps, group, div in ((self.dense, dense_group, dense_divisor),
+                               (self.expert, expert_group, expert_divisor)):
+            size = _group_size(group)
+            self.groups.append((ps, group, size, div or size))
+        self.bucket_numel = bucket_numel
+
+    @classmethod
+    def for_groups(cls, params, groups: ParallelGroups, **kw) -> "GradReducer":
+        if groups.ep_size == 1:
+            return cls(params, **kw)
+        W = groups.world_size
+        if groups.edp_size == 1:  # EP over the whole world: no replica, only the 1/W scaling
+            return cls(params, expert_group=_SelfGroup(), dense_divisor=W, expert_divisor=W, **kw)
+        return cls(params, expert_group=groups.edp_group, dense_divisor=W, expert_divisor=W, **kw)
+
+    def _buckets(self, params):
+        bucket, n = [], 0
+        for p in params:
+            if bucket and (n + p.numel() > self.bucket_numel or p.grad.dtype != bucket[0].grad.dtype):
+                yield bucket
+                bucket, n = [], 0
+            bucket.append(p)
+            n += p.numel()
+        if bucket:
+            yield bucket
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        for params, group, size, divisor in self.groups:
+            for p in params:
+                if p.grad is None:  # unused this step on this rank: still take part
+                    p.grad = torch.zeros_like(p)
+            if size == 1 and divisor == 1:
+                continue
+            for bucket in self._buckets(params):
+                grads = [p.grad for p in bucket]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                if size > 1:
+                    dist.all_reduce(flat, group=group)
+                flat.div_(divisor)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    @torch.no_grad()
+    def broadcast_params(self, model: torch.nn.Module) -> None:
+        """Make every replica start from its group's first rank's parameters and buffers."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        for params, group, size, _ in self.groups:
+            if size == 1:
+                continue
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for p in params:
+                dist.broadcast(p.data, src=src, group=group)
+        nccl = dist.get_backend() == "nccl"
+        for b in model.buffers():
+            if not (nccl and not b.is_cuda):  # NCCL moves CUDA tensors only
+                dist.broadcast(b, src=0)
 
 
-def _all_reduce_scaled(params, group, world_size: int) -> None:
-    if not params:
-        return
-    grads = [p.grad for p in params]
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat.div_(world_size)
-    for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(r)
+class _SelfGroup:
+    """Stands for a group of one rank (no communication)."""
+
+
+def _group_size(group) -> int:
+    if isinstance(group, _SelfGroup):
+        return 1
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
+                   groups: ParallelGroups | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients, each parameter counted once; scale them to max_norm if
+    above (max_norm 0 = only measure). Returns the norm before clipping (fp32 scalar tensor).
+
+    Dense gradients are identical on every rank after the reduction and count once; under expert
+    parallelism each EP rank holds different experts, so their squared norms are summed over
+    the EP group.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    expert_ids = {id(p.grad) for p in params if p.grad is not None and is_expert_param(p)}
+    sq = [n.float() ** 2 for n in torch._foreach_norm(grads, 2.0)]
+    dense_sq = sum((s for g, s in zip(grads, sq) if id(g) not in expert_ids), torch.zeros((), device=grads[0].device))
+    expert_sq = sum((s for g, s in zip(grads, sq) if id(g) in expert_ids), torch.zeros((), device=grads[0].device))
+    if groups is not None and groups.ep_size > 1:
+        dist.all_reduce(expert_sq, group=groups.ep_group)
+    total = torch.sqrt(dense_sq + expert_sq)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total

@@ -75,10 +75,13 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """bias_e += rate * sign(mean load - load_e) over the loads since the last call."""
+        """bias_e += rate * sign(mean load - load_e) over the loads since the last call, summed
+        over all ranks (call it on every rank)."""
         if not self.cfg.expert_bias:
             return
         load_E = self._load_since_update
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(load_E)  # every rank applies the same update
         if load_E.sum() > 0:
             self.expert_bias += self.cfg.expert_bias_update_rate * torch.sign(load_E.mean() - load_E)
         load_E.zero_()

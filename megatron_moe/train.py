@@ -49,13 +49,13 @@ import torch.distributed as dist
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint,
                          verify_checkpoint)
 from .metrics import MetricsLogger, expert_load_stats, format_line
+from .parallel import GradReducer, clip_grad_norm, init_parallel_groups
 from .run_config import ConfigError, RunConfig, load_config
 
-__all__ = ["main", "train", "lr_at", "build_optimizer", "GradReducer", "clip_grad_norm"]
+__all__ = ["main", "train", "lr_at", "build_optimizer"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
-BUCKET_NUMEL = 2 ** 25  # elements per all-reduce bucket (128 MiB of fp32 grads)
 
 
 class TrainError(RuntimeError):
@@ -111,89 +111,6 @@ def _unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter
         seen.add(id(p))
         out.append((name, p))
     return out
-
-
-class GradReducer:
-    """Data-parallel gradient averaging in flattened buckets, dense and expert params apart.
-
-    ``dense_group``/``expert_group``: process groups (None = the world). Gradients are summed
-    over the group and divided by ``dense_divisor``/``expert_divisor`` (default: the group's
-    size). With expert parallelism the expert group becomes the expert-data-parallel group
-    while the divisor stays the world size (megatron_moe/parallel.py explains why).
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], *, dense_group=None, expert_group=None,
-                 dense_divisor: int | None = None, expert_divisor: int | None = None,
-                 bucket_numel: int = BUCKET_NUMEL):
-        self.dense = [p for p in params if not getattr(p, "expert_parallel", False)]
-        self.expert = [p for p in params if getattr(p, "expert_parallel", False)]
-        self.groups = []
-        for ps, group, div in ((self.dense, dense_group, dense_divisor),
-                               (self.expert, expert_group, expert_divisor)):
-            size = dist.get_world_size(group) if dist.is_initialized() else 1
-            self.groups.append((ps, group, size, div or size))
-        self.bucket_numel = bucket_numel
-
-    def _buckets(self, params):
-        bucket, n = [], 0
-        for p in params:
-            if bucket and (n + p.numel() > self.bucket_numel or p.grad.dtype != bucket[0].grad.dtype):
-                yield bucket
-                bucket, n = [], 0
-            bucket.append(p)
-            n += p.numel()
-        if bucket:
-            yield bucket
-
-    @torch.no_grad()
-    def reduce(self) -> None:
-        for params, group, size, divisor in self.groups:
-            for p in params:
-                if p.grad is None:  # unused this step on this rank: still take part
-                    p.grad = torch.zeros_like(p)
-            if size == 1 and divisor == 1:
-                continue
-            for bucket in self._buckets(params):
-                grads = [p.grad for p in bucket]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                if size > 1:
-                    dist.all_reduce(flat, group=group)
-                flat.div_(divisor)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-
-    @torch.no_grad()
-    def broadcast_params(self, model: torch.nn.Module) -> None:
-        """Make every rank start from rank 0's parameters and buffers (world of > 1 only)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        for params, group, size, _ in self.groups:
-            if size == 1:
-                continue
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            for p in params:
-                dist.broadcast(p.data, src=src, group=group)
-        nccl = dist.get_backend() == "nccl"
-        for b in model.buffers():
-            if not (nccl and not b.is_cuda):  # NCCL moves CUDA tensors only
-                dist.broadcast(b, src=0)
-
-
-@torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients (each parameter once); scale them to max_norm if above
-    (max_norm 0 = only measure). Returns the norm before clipping (fp32 scalar tensor)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads, 2.0)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return total
 
 
 def build_optimizer(model: torch.nn.Module, tc, device: torch.device) -> torch.optim.AdamW:
@@ -405,10 +322,15 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
         _print0(rank, "warning: the validation split is empty (data.split): evaluation is off")
         n_valid = 0
 
+    ep = mc.moe.expert_parallel_size if mc.moe is not None else 1
+    try:
+        groups = init_parallel_groups(ep, num_experts=mc.moe.num_experts if mc.moe is not None else None)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     model = build_gpt_model(mc)
     model.train()
     params = [p for _, p in _unique_params(model)]
-    reducer = GradReducer(params)
+    reducer = GradReducer.for_groups(params, groups)
     reducer.broadcast_params(model)
     optimizer = build_optimizer(model, tc, device)
     layers = moe_layers(model)
@@ -449,7 +371,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
 
     if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
         try:
-            meta = load_checkpoint(ckpt, model, optimizer, map_location=device)
+            meta = load_checkpoint(ckpt, model, optimizer, map_location=device, groups=groups)
         except CheckpointError as e:
             raise TrainError(str(e)) from None
         if meta.get("world_size") != world:
@@ -495,7 +417,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                     cur = torch.stack([l.tokens_per_expert.float() for l in layers])
                     tpe = cur if tpe is None else tpe + cur
             reducer.reduce()
-            grad_norm = clip_grad_norm(params, tc.clip_grad)
+            grad_norm = clip_grad_norm(params, tc.clip_grad, groups)
             optimizer.step()
             update_expert_biases(model)
             step += 1
@@ -552,7 +474,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                     "consumed_samples": consumed,
                     "scheduler": {"lr": tc.lr, "min_lr": tc.min_lr, "warmup": tc.lr_warmup_iters,
                                   "decay_iters": tc.decay_iters, "last_lr": lr},
-                    "config": cfg.to_dict()})
+                    "config": cfg.to_dict()}, groups=groups)
                 last_saved = path
                 _print0(rank, f"saved checkpoint {path}", bar=bar)
             if stop and step < tc.train_iters:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe import DroplessMoE, MoEConfig
-from megatron_moe.parallel import init_parallel_groups, reduce_gradients
+from megatron_moe.parallel import GradReducer, init_parallel_groups
 
 TOKENS_PER_RANK, H = 13, 16
 
@@ -60,7 +60,7 @@ def main():
     y = layer(x_r)
     (y * dy[rows]).sum().backward()
     local = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    reduce_gradients(list(layer.parameters()), groups)
+    GradReducer.for_groups(list(layer.parameters()), groups).reduce()
     reduced = {n: p.grad.clone() for n, p in layer.named_parameters()}
     torch.save(dict(y=y.detach(), dx=x_r.grad, local=local, reduced=reduced, ep_rank=groups.ep_rank,
                     tokens_per_expert=layer.tokens_per_expert),

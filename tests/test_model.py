@@ -110,7 +110,7 @@ def test_model_config_layers_and_moe_config():
     (dict(moe={"aux_loss_coeff": -1}), r"model\.moe\.aux_loss_coeff=-1"),
     (dict(moe={"score_function": "relu"}), r"model\.moe\.score_function='relu'"),
     (dict(moe={"moe_layer_freq": 0}), r"model\.moe\.moe_layer_freq=0"),
-    (dict(moe={"expert_parallel_size": 2}), r"model\.moe\.expert_parallel_size=2 .*only 1"),
+    (dict(moe={"num_experts": 6, "expert_parallel_size": 4}), r"model\.moe\.expert_parallel_size=4 .*divisor of model\.moe\.num_experts \(6\)"),
     (dict(moe={"ffn_hidden_size": 0}), r"model\.moe\.ffn_hidden_size=0"),
     (dict(moe=[1, 2]), r"model\.moe=\[1, 2\] is invalid"),
 ])

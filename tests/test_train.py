@@ -27,8 +27,8 @@ from megatron_moe.checkpoint import (CheckpointError, get_rng_state, latest_chec
                                      verify_checkpoint)
 from megatron_moe.metrics import MetricsLogger, expert_load_stats
 from megatron_moe.run_config import load_config
-from megatron_moe.train import (GradReducer, MicroBatchSampler, TrainError, build_optimizer,
-                                clip_grad_norm, lr_at, train)
+from megatron_moe.parallel import GradReducer, clip_grad_norm
+from megatron_moe.train import MicroBatchSampler, TrainError, build_optimizer, lr_at, train
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny-cpu.yaml"
@@ -467,3 +467,43 @@ def test_incomplete_or_mismatched_checkpoint_is_refused(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("../../etc\n")
     with pytest.raises(CheckpointError, match=r"latest is corrupt"):
         latest_checkpoint(tmp_path)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+def test_expert_parallel_training_matches_and_reshards(workdir, straight):
+    """EP=2 over 2 gloo ranks: 8 steps, stop, resume 8 more == 16 straight on one process (fp32
+    tolerance); the EP checkpoint stores each expert once (dense in model.pt, experts in
+    per-rank shards) and also resumes on one process without EP (re-sliced experts)."""
+    import shutil
+
+    args = _overrides(workdir, "ep2", "logging.wandb=false", "model.moe.expert_parallel_size=2")
+    _run(args + ["train.exit_interval=8"], nproc=2, OMP_NUM_THREADS="1")
+    run_dir = workdir / "runs" / "ep2"
+    ckpt = latest_checkpoint(run_dir)
+    dense = torch.load(ckpt / "model.pt", weights_only=True)
+    shards = [torch.load(ckpt / f"experts_ep{j:03d}.pt", weights_only=True) for j in range(2)]
+    assert not [k for k in dense if ".experts." in k]
+    full = torch.load(latest_checkpoint(straight).parent / "iter_0000008" / "model.pt", weights_only=True)
+    for name, t in shards[0]["params"].items():
+        assert t.shape[0] == 4 and torch.allclose(torch.cat([t, shards[1]["params"][name]]), full[name], atol=2e-5)
+    shutil.copytree(run_dir, workdir / "runs" / "ep2to1")
+
+    _run(args + ["--resume"], nproc=2, OMP_NUM_THREADS="1")
+    want = [r["lm_loss"] for r in _metrics(straight)]
+    got = [r["lm_loss"] for r in _metrics(run_dir)]
+    assert len(got) == STEPS and got == pytest.approx(want, abs=5e-5)
+
+    to1 = _overrides(workdir, "ep2to1", "logging.wandb=false", "model.moe.expert_parallel_size=1")
+    out = _run(to1 + ["--resume"])
+    assert "resumed from" in out.stdout
+    got1 = [r["lm_loss"] for r in _metrics(workdir / "runs" / "ep2to1")]
+    assert len(got1) == STEPS and got1 == pytest.approx(want, abs=5e-5)
+
+
+def test_expert_parallel_size_must_divide_world(workdir):
+    proc = _run(_overrides(workdir, "ep3", "logging.wandb=false", "model.moe.expert_parallel_size=4",
+                           "train.exit_interval=1"), nproc=2, check=False, OMP_NUM_THREADS="1")
+    assert proc.returncode != 0
+    assert "expert_parallel_size=4 does not divide the world size 2" in proc.stdout + proc.stderr
