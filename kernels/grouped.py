@@ -1,0 +1,640 @@
+"""Grouped GEMMs of the dropless MoE with the gather and the scatter fused into the loads/stores.
+
+Rows are grouped by expert: sorted position s belongs to expert e when
+``offsets_E1[e] <= s < offsets_E1[e + 1]`` (``Routing.expert_offsets_E1``; its last entry must
+equal S). Two kernels, each with a launcher and a plain-PyTorch reference:
+
+* :func:`grouped_gemm` (row-grouped):  out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[e])
+  Epilogues: none; 'gelu' / 'swiglu' (writes the pre-activation and the activation);
+  'dgelu' / 'dswiglu' (backward: the GEMM result is g = dL/d(act); writes dL/d(pre) scaled by
+  scale(s), recomputes act from the saved pre-activation (written times scale(s)), and reduces
+  Σ_n g·act per row, the gradient of the router weight). See :func:`grouped_gemm_dact`.
+* :func:`grouped_wgrad`: dw[e] = Σ_{s in e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0).
+
+The row-grouped kernel launches over an upper bound of M tiles (``max_row_blocks``, about
+cdiv(S, BLOCK_M) + E) times the N tiles; each program finds its expert on the device (cumsum of
+the per-expert tile counts), programs past the last tile exit. Nothing is read back to the host.
+
+Legend (shape suffixes). In this file N is a GEMM's output width; the S sorted positions are
+metadata.py's N assignments:
+  S sorted positions (rows of the grouped problem), E experts, K reduction width,
+  N output width, M rows of an input (tokens when read through a gather index),
+  F activation width (N for gelu, N/2 for swiglu whose pre-activation holds [gate | up]).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F_
+import triton
+import triton.language as tl
+
+from ._common import cdiv, interpret_mode, use_triton
+from .metadata import max_row_blocks
+
+EPILOGUES = (None, "gelu", "swiglu")
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configs (one small config under the interpreter: benchmarking there is far too slow;
+# MEGATRON_MOE_AUTOTUNE=0 keeps only the first GPU config, e.g. for quick GPU test runs)
+# ----------------------------------------------------------------------------------------------
+
+
+def _single_config() -> bool:
+    return os.environ.get("MEGATRON_MOE_AUTOTUNE", "1") == "0"
+
+
+def _gemm_configs() -> list[triton.Config]:
+    if interpret_mode():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+        (64, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (128, 128, 64, 8, 3),
+        (128, 128, 32, 4, 4),
+        (64, 256, 32, 8, 3),
+        (128, 256, 64, 8, 3),
+    ]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for m, n, k, w, s in (shapes[:1] if _single_config() else shapes)]
+
+
+def _wgrad_configs() -> list[triton.Config]:
+    if interpret_mode():
+        return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
+    shapes = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
+        (64, 64, 64, 4, 4),
+        (128, 64, 32, 4, 4),
+        (64, 128, 32, 4, 4),
+        (128, 128, 32, 8, 3),
+        (128, 128, 64, 8, 3),
+        (128, 256, 32, 8, 3),
+    ]
+    return [triton.Config({"BLOCK_K": k, "BLOCK_N": n, "BLOCK_S": s}, num_warps=w, num_stages=st)
+            for k, n, s, w, st in (shapes[:1] if _single_config() else shapes)]
+
+
+def _prune_gemm_configs(configs, named_args, **kwargs):
+    """swiglu keeps two accumulators: drop the tiles that would spill registers."""
+    epilogue = kwargs.get("EPILOGUE", named_args.get("EPILOGUE"))
+    if epilogue != "swiglu":
+        return configs
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    return kept or configs[:1]
+
+
+# Width of one partial row-sum slot of the 'dgelu'/'dswiglu' epilogue: the smallest BLOCK_N of
+# any config, so every config fills every slot exactly once (no zero-fill, no atomics).
+_DACT_SLOT = min(c.kwargs["BLOCK_N"] for c in _gemm_configs())
+
+
+# ----------------------------------------------------------------------------------------------
+# Element-wise helpers (fp32)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gelu_and_grad(h):
+    """GELU (tanh approximation) of h and its derivative."""
+    u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+    t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u)
+    act = 0.5 * h * (1.0 + t)
+    grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+    return act, grad
+
+
+# ----------------------------------------------------------------------------------------------
+# Row-grouped GEMM: out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[expert(s)])
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.autotune(configs=_gemm_configs(), key=["K", "N", "EPILOGUE"],
+                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
+@triton.jit
+def _grouped_gemm_kernel(
+    # pointers
+    a_ptr,  # [M, K] any strides, read through gather_ptr
+    w_ptr,  # [E, K, N] any strides (swiglu: [E, K, 2N], gate half first)
+    out_ptr,  # [S, N]: result / pre-activation (swiglu: [S, 2N]) / dL/d(pre) (dswiglu: [S, 2N])
+    act_ptr,  # [S, N]: activation (gelu, swiglu); scale(s) * activation (dgelu, dswiglu)
+    pre_ptr,  # [S, N] (dswiglu: [S, 2N]): saved pre-activation, read by dgelu / dswiglu
+    dscale_ptr,  # fp32 [S, num_slots]: partial Σ_n g·act of dgelu / dswiglu
+    scale_ptr,  # fp32 [S] per sorted position
+    gather_ptr,  # int [S]: row of a read by sorted position s
+    scatter_ptr,  # int [S]: row of out / act / pre / dscale written by sorted position s
+    offsets_ptr,  # int32 [E+1]: expert segments of the sorted positions
+    # sizes
+    K, N, E, num_slots,
+    # strides
+    stride_am, stride_ak,
+    stride_we, stride_wk, stride_wn,
+    stride_om, stride_actm, stride_prem,
+    # meta-parameters
+    EPILOGUE: tl.constexpr,  # "none", "gelu", "swiglu", "dgelu" or "dswiglu"
+    HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+    DOT_F32: tl.constexpr,  # upcast the tl.dot operands (interpreter: its 16-bit dot is wrong)
+    BLOCK_E: tl.constexpr, SLOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_tiles_n  # consecutive programs share the rows of a (L2 reuse)
+    pid_n = pid % num_tiles_n
+
+    # Which expert owns M tile pid_m: count the experts whose inclusive tile cumsum <= pid_m.
+    e_idx = tl.arange(0, BLOCK_E)
+    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
+    tiles_cum_E = tl.cumsum(tiles_E, axis=0)
+    expert = tl.sum((tiles_cum_E <= pid_m).to(tl.int32), axis=0)
+    if expert >= E:  # past the last tile of the last expert
+        return
+    first_tile = tl.sum(tl.where(e_idx == expert, tiles_cum_E - tiles_E, 0), axis=0)
+    seg_end = tl.load(offsets_ptr + expert + 1)
+    row0 = tl.load(offsets_ptr + expert) + (pid_m - first_tile) * BLOCK_M
+
+    offs_s = row0 + tl.arange(0, BLOCK_M)
+    mask_s = offs_s < seg_end
+    if HAS_GATHER:
+        rows_a = tl.load(gather_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+    else:
+        rows_a = offs_s.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EPILOGUE == "swiglu":
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_s[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if EPILOGUE == "swiglu":
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if DOT_F32:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    # Epilogue
+    if HAS_SCATTER:
+        rows_o = tl.load(scatter_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+    else:
+        rows_o = offs_s.to(tl.int64)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
+    mask_o = mask_s[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + rows_o[:, None] * stride_om + offs_n[None, :]
+    act_ptrs = act_ptr + rows_o[:, None] * stride_actm + offs_n[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    act_ty = act_ptr.dtype.element_ty
+
+    if EPILOGUE == "none" or EPILOGUE == "gelu" or EPILOGUE == "swiglu":
+        if HAS_SCALE:
+            acc = acc * scale
+            if EPILOGUE == "swiglu":
+                acc_up = acc_up * scale
+        pre = acc.to(out_ty)
+        tl.store(out_ptrs, pre, mask=mask_o)
+        if EPILOGUE == "gelu":
+            # activation of the stored (rounded) pre-activation: the backward recomputes the same
+            act, _ = _gelu_and_grad(pre.to(tl.float32))
+            tl.store(act_ptrs, act.to(act_ty), mask=mask_o)
+        if EPILOGUE == "swiglu":
+            up = acc_up.to(out_ty)
+            tl.store(out_ptrs + N, up, mask=mask_o)
+            gate = pre.to(tl.float32)
+            act = gate * tl.sigmoid(gate) * up.to(tl.float32)
+            tl.store(act_ptrs, act.to(act_ty), mask=mask_o)
+    else:
+        # acc = g = dL/d(act) (without the scale); pre rows sit at the output rows.
+        pre_ptrs = pre_ptr + rows_o[:, None] * stride_prem + offs_n[None, :]
+        if HAS_SCALE:
+            g_scaled = acc * scale
+        else:
+            g_scaled = acc
+        if EPILOGUE == "dgelu":
+            h = tl.load(pre_ptrs, mask=mask_o, other=0.0).to(tl.float32)
+            act, dact = _gelu_and_grad(h)
+            tl.store(out_ptrs, (g_scaled * dact).to(out_ty), mask=mask_o)
+        else:  # dswiglu
+            gate = tl.load(pre_ptrs, mask=mask_o, other=0.0).to(tl.float32)
+            up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            silu = gate * sig
+            act = silu * up
+            d_gate = g_scaled * up * sig * (1.0 + gate * (1.0 - sig))
+            tl.store(out_ptrs, d_gate.to(out_ty), mask=mask_o)
+            tl.store(out_ptrs + N, (g_scaled * silu).to(out_ty), mask=mask_o)
+        if HAS_SCALE:  # the w2 weight gradient then needs no scale in its main loop
+            tl.store(act_ptrs, (act * scale).to(act_ty), mask=mask_o)
+        else:
+            tl.store(act_ptrs, act.to(act_ty), mask=mask_o)
+        # Σ_n g·act of this tile goes to slot pid_n * (BLOCK_N // SLOT); the tile's other slots get
+        # 0, so whatever BLOCK_N the autotuner picks, every slot is written exactly once.
+        row_sum = tl.sum(acc * act, axis=1)
+        offs_j = tl.arange(0, BLOCK_N // SLOT)
+        part = tl.where(offs_j[None, :] == 0, row_sum[:, None], 0.0)
+        offs_slot = pid_n * (BLOCK_N // SLOT) + offs_j
+        tl.store(dscale_ptr + rows_o[:, None] * num_slots + offs_slot[None, :], part,
+                 mask=mask_s[:, None] & (offs_slot < num_slots)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped weight gradient: dw[e] = Σ_{s in e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)])
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.autotune(configs=_wgrad_configs(), key=["K", "N"])
+@triton.jit
+def _grouped_wgrad_kernel(
+    # pointers
+    a_ptr,  # [Ma, K] any strides, read through gather_a_ptr
+    b_ptr,  # [Mb, N] any strides, read through gather_b_ptr
+    out_ptr,  # [E, K, N] any strides
+    scale_ptr,  # fp32 [S]
+    gather_a_ptr, gather_b_ptr,  # int [S]
+    offsets_ptr,  # int32 [E+1]
+    # sizes
+    K, N,
+    # strides
+    stride_am, stride_ak,
+    stride_bm, stride_bn,
+    stride_oe, stride_ok, stride_on,
+    # meta-parameters
+    HAS_GATHER_A: tl.constexpr, HAS_GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_tiles_k = tl.cdiv(K, BLOCK_K)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    expert = pid // (num_tiles_k * num_tiles_n)
+    pid_kn = pid % (num_tiles_k * num_tiles_n)
+    pid_k = pid_kn // num_tiles_n
+    pid_n = pid_kn % num_tiles_n
+    seg_start = tl.load(offsets_ptr + expert)
+    seg_end = tl.load(offsets_ptr + expert + 1)
+
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_k = offs_k < K
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for s0 in range(seg_start, seg_end, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < seg_end
+        if HAS_GATHER_A:
+            rows_a = tl.load(gather_a_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+        else:
+            rows_a = offs_s.to(tl.int64)
+        if HAS_GATHER_B:
+            rows_b = tl.load(gather_b_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+        else:
+            rows_b = offs_s.to(tl.int64)
+        # a tile loaded transposed: [BLOCK_K, BLOCK_S]
+        a_t = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_k[:, None] * stride_ak,
+                      mask=mask_k[:, None] & mask_s[None, :], other=0.0)
+        b = tl.load(b_ptr + rows_b[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+                    mask=mask_s[:, None] & mask_n[None, :], other=0.0)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)
+            b = (b.to(tl.float32) * scale[:, None]).to(b_ptr.dtype.element_ty)
+        if DOT_F32:
+            a_t = a_t.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+
+    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + offs_k[:, None].to(tl.int64) * stride_ok
+                + offs_n[None, :] * stride_on)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_index(name: str, idx, S: int, device) -> None:
+    if idx is None:
+        return
+    if idx.dim() != 1 or idx.shape[0] != S or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be an int32/int64 vector of the {S} sorted positions, "
+                         f"got {tuple(idx.shape)} {idx.dtype}")
+    if idx.device != device:
+        raise ValueError(f"{name} is on {idx.device}, expected {device}")
+
+
+def _check_scale(scale_S, S: int) -> None:
+    if scale_S is not None and (scale_S.dim() != 1 or scale_S.shape[0] != S or scale_S.dtype != torch.float32):
+        raise ValueError(f"scale_S must be a float32 vector of the {S} sorted positions, "
+                         f"got {tuple(scale_S.shape)} {scale_S.dtype}")
+
+
+def _check_offsets(offsets_E1, E: int) -> None:
+    if offsets_E1.dim() != 1 or offsets_E1.shape[0] != E + 1 or offsets_E1.dtype != torch.int32:
+        raise ValueError(f"offsets_E1 must be int32 [E+1] = [{E + 1}], got {tuple(offsets_E1.shape)} {offsets_E1.dtype}")
+
+
+def _num_sorted(a_MK, gather_S) -> int:
+    return gather_S.shape[0] if gather_S is not None else a_MK.shape[0]
+
+
+def _dot_args(dtype: torch.dtype) -> dict:
+    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+            "DOT_F32": interpret_mode() and dtype != torch.float32}
+
+
+def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S) -> int:
+    if a_MK.dim() != 2 or w_EKN.dim() != 3:
+        raise ValueError(f"expected a [M, K] and w [E, K, N], got {tuple(a_MK.shape)} and {tuple(w_EKN.shape)}")
+    if a_MK.shape[1] != w_EKN.shape[1]:
+        raise ValueError(f"a has K={a_MK.shape[1]} columns but w has K={w_EKN.shape[1]} rows")
+    if a_MK.dtype != w_EKN.dtype or a_MK.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a and w must share one of float32/bfloat16/float16, got {a_MK.dtype} and {w_EKN.dtype}")
+    _check_offsets(offsets_E1, w_EKN.shape[0])
+    S = _num_sorted(a_MK, gather_S)
+    _check_index("gather_S", gather_S, S, a_MK.device)
+    _check_index("scatter_S", scatter_S, S, a_MK.device)
+    _check_scale(scale_S, S)
+    return S
+
+
+def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue, gather_S, scatter_S, scale_S):
+    S, E, K = out.shape[0], w_EKN.shape[0], a_MK.shape[1]
+    dummy = offsets_E1
+    num_slots = dscale.shape[1] if dscale is not None else 0
+
+    def grid(meta):
+        return (max_row_blocks(S, E, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
+
+    _grouped_gemm_kernel[grid](
+        a_MK, w_EKN, out, act if act is not None else out, pre if pre is not None else out,
+        dscale if dscale is not None else dummy, scale_S if scale_S is not None else dummy,
+        gather_S if gather_S is not None else dummy, scatter_S if scatter_S is not None else dummy,
+        offsets_E1,
+        K, N, E, num_slots,
+        a_MK.stride(0), a_MK.stride(1),
+        w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
+        out.stride(0), act.stride(0) if act is not None else 0, pre.stride(0) if pre is not None else 0,
+        EPILOGUE=epilogue, HAS_GATHER=gather_S is not None, HAS_SCATTER=scatter_S is not None,
+        HAS_SCALE=scale_S is not None, BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT,
+        **_dot_args(a_MK.dtype),
+    )
+
+
+def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
+                        activation=None, out_dtype=None, out=None, act_out=None):
+    """Triton launcher of :func:`grouped_gemm` (same arguments; ``out``/``act_out`` may be given
+    preallocated, contiguous rows)."""
+    S = _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S)
+    if activation not in EPILOGUES:
+        raise ValueError(f"activation={activation!r}: expected one of {EPILOGUES}")
+    E, K, Nw = w_EKN.shape
+    if activation == "swiglu" and Nw % 2:
+        raise ValueError(f"swiglu needs an even number of w columns [gate | up], got {Nw}")
+    N = Nw // 2 if activation == "swiglu" else Nw
+    out_dtype = out_dtype or a_MK.dtype
+    dev = a_MK.device
+    if out is None:
+        out = torch.empty(S, Nw, device=dev, dtype=out_dtype)
+    if activation is not None and act_out is None:
+        act_out = torch.empty(S, N, device=dev, dtype=out_dtype)
+    for name, t, cols in (("out", out, Nw), ("act_out", act_out, N)):
+        if t is not None and (t.shape != (S, cols) or t.stride(1) != 1):
+            raise ValueError(f"{name} must be [{S}, {cols}] with contiguous rows, got {tuple(t.shape)}")
+    if S > 0 and N > 0:
+        if K == 0:
+            out.zero_()
+            if activation is not None:  # act(0) = 0 for gelu and swiglu
+                act_out.zero_()
+        else:
+            _launch_gemm(a_MK, w_EKN, offsets_E1, out, act_out, None, None, N=N, epilogue=activation or "none",
+                         gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S)
+    return out if activation is None else (out, act_out)
+
+
+def grouped_gemm_dact_triton(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None):
+    """Triton launcher of :func:`grouped_gemm_dact`."""
+    S = _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, None, scale_S)
+    if activation not in ("gelu", "swiglu"):
+        raise ValueError(f"activation={activation!r}: expected 'gelu' or 'swiglu'")
+    E, K, N = w_EKN.shape
+    X = 2 * N if activation == "swiglu" else N
+    if pre_SX.shape != (S, X) or pre_SX.stride(1) != 1:
+        raise ValueError(f"pre_SX must be [{S}, {X}] with contiguous rows, got {tuple(pre_SX.shape)}")
+    dev, dt = a_MK.device, pre_SX.dtype
+    if S == 0 or N == 0 or K == 0:  # g = 0 (no host sync: the reference's elementwise part only)
+        _, act_SN, _ = _dact_elementwise(torch.zeros(S, N, device=dev), pre_SX, activation)
+        act_SN = act_SN if scale_S is None else act_SN * scale_S[:, None]
+        return torch.zeros_like(pre_SX), act_SN.to(dt), torch.zeros(S, device=dev)
+    dpre_SX = torch.empty(S, X, device=dev, dtype=dt)
+    act_SN = torch.empty(S, N, device=dev, dtype=dt)
+    dscale_part = torch.empty(S, cdiv(N, _DACT_SLOT), device=dev, dtype=torch.float32)
+    _launch_gemm(a_MK, w_EKN, offsets_E1, dpre_SX, act_SN, pre_SX, dscale_part, N=N, epilogue="d" + activation,
+                 gather_S=gather_S, scatter_S=None, scale_S=scale_S)
+    return dpre_SX, act_SN, dscale_part.sum(1)
+
+
+def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
+                         out_dtype=None, out=None):
+    """Triton launcher of :func:`grouped_wgrad` (``out`` [E, K, N] may be given preallocated)."""
+    E = offsets_E1.shape[0] - 1
+    S = _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S)
+    K, N = a_MK.shape[1], b_MN.shape[1]
+    if out is None:
+        out = torch.empty(E, K, N, device=a_MK.device, dtype=out_dtype or a_MK.dtype)
+    if out.shape != (E, K, N):
+        raise ValueError(f"out must be [{E}, {K}, {N}], got {tuple(out.shape)}")
+    if S == 0:
+        return out.zero_()
+    if E == 0 or K == 0 or N == 0:
+        return out
+
+    def grid(meta):
+        return (E * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]),)
+
+    dummy = offsets_E1
+    _grouped_wgrad_kernel[grid](
+        a_MK, b_MN, out, scale_S if scale_S is not None else dummy,
+        gather_a_S if gather_a_S is not None else dummy, gather_b_S if gather_b_S is not None else dummy,
+        offsets_E1,
+        K, N,
+        a_MK.stride(0), a_MK.stride(1), b_MN.stride(0), b_MN.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, HAS_SCALE=scale_S is not None,
+        **_dot_args(a_MK.dtype),
+    )
+    return out
+
+
+def _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S) -> int:
+    if a_MK.dim() != 2 or b_MN.dim() != 2:
+        raise ValueError(f"expected 2-D a and b, got {tuple(a_MK.shape)} and {tuple(b_MN.shape)}")
+    if a_MK.dtype != b_MN.dtype or a_MK.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"a and b must share one of float32/bfloat16/float16, got {a_MK.dtype} and {b_MN.dtype}")
+    E = offsets_E1.shape[0] - 1
+    _check_offsets(offsets_E1, E)
+    S = _num_sorted(a_MK, gather_a_S)
+    if _num_sorted(b_MN, gather_b_S) != S:
+        raise ValueError(f"a provides {S} sorted rows but b provides {_num_sorted(b_MN, gather_b_S)}")
+    _check_index("gather_a_S", gather_a_S, S, a_MK.device)
+    _check_index("gather_b_S", gather_b_S, S, a_MK.device)
+    _check_scale(scale_S, S)
+    return S
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-PyTorch references (also the CPU path when Triton is not launched). They slice each
+# expert's segment, which reads offsets_E1 on the host: that is fine on the CPU, and the GPU
+# always runs the kernels above, which never synchronise.
+# ----------------------------------------------------------------------------------------------
+
+
+def gelu_and_grad_reference(h: torch.Tensor):
+    """GELU (tanh approximation) of fp32 h and its derivative."""
+    t = torch.tanh(_GELU_C * (h + 0.044715 * h ** 3))
+    return 0.5 * h * (1 + t), 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * h * h)
+
+
+def _segments(offsets_E1):
+    bounds = offsets_E1.tolist()
+    return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
+
+
+def _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S):
+    """fp32 [S, N] = a[gather(s)] @ w[expert(s)]."""
+    S = _num_sorted(a_MK, gather_S)
+    rows = a_MK if gather_S is None else a_MK[gather_S.long()]
+    acc = torch.zeros(S, w_EKN.shape[2], device=a_MK.device, dtype=torch.float32)
+    for e, lo, hi in _segments(offsets_E1):
+        acc[lo:hi] = rows[lo:hi].float() @ w_EKN[e].float()
+    return acc
+
+
+def _scatter_rows(x_SN, scatter_S):
+    if scatter_S is None:
+        return x_SN
+    return torch.empty_like(x_SN).index_copy_(0, scatter_S.long(), x_SN)
+
+
+def grouped_gemm_reference(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
+                           activation=None, out_dtype=None):
+    _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S)
+    out_dtype = out_dtype or a_MK.dtype
+    acc = _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S)
+    if scale_S is not None:
+        acc = acc * scale_S[:, None]
+    pre = acc.to(out_dtype)
+    if activation is None:
+        return _scatter_rows(pre, scatter_S)
+    if activation == "gelu":
+        act = gelu_and_grad_reference(pre.float())[0]
+    elif activation == "swiglu":
+        gate, up = pre.float().chunk(2, dim=1)
+        act = F_.silu(gate) * up
+    else:
+        raise ValueError(f"activation={activation!r}: expected one of {EPILOGUES}")
+    return _scatter_rows(pre, scatter_S), _scatter_rows(act.to(out_dtype), scatter_S)
+
+
+def grouped_gemm_dact_reference(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None):
+    _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, None, scale_S)
+    if activation not in ("gelu", "swiglu"):
+        raise ValueError(f"activation={activation!r}: expected 'gelu' or 'swiglu'")
+    g = _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S)
+    g_scaled = g if scale_S is None else g * scale_S[:, None]
+    dpre, act, dscale = _dact_elementwise(g, pre_SX, activation, g_scaled)
+    act = act if scale_S is None else act * scale_S[:, None]
+    return dpre.to(pre_SX.dtype), act.to(pre_SX.dtype), dscale
+
+
+def _dact_elementwise(g, pre_SX, activation, g_scaled=None):
+    """(dpre fp32, act fp32, Σ_n g·act fp32) from fp32 g = dL/d act."""
+    g_scaled = g if g_scaled is None else g_scaled
+    h = pre_SX.float()
+    if activation == "gelu":
+        act, dact = gelu_and_grad_reference(h)
+        dpre = g_scaled * dact
+    else:
+        gate, up = h.chunk(2, dim=1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        act = silu * up
+        dpre = torch.cat([g_scaled * up * sig * (1 + gate * (1 - sig)), g_scaled * silu], dim=1)
+    return dpre, act, (g * act).sum(1)
+
+
+def grouped_wgrad_reference(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
+                            out_dtype=None):
+    _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S)
+    E = offsets_E1.shape[0] - 1
+    a = a_MK if gather_a_S is None else a_MK[gather_a_S.long()]
+    b = b_MN if gather_b_S is None else b_MN[gather_b_S.long()]
+    b = b.float() if scale_S is None else (b.float() * scale_S[:, None]).to(b.dtype).float()
+    out = torch.zeros(E, a_MK.shape[1], b_MN.shape[1], device=a_MK.device, dtype=torch.float32)
+    for e, lo, hi in _segments(offsets_E1):
+        out[e] = a[lo:hi].float().t() @ b[lo:hi]
+    return out.to(out_dtype or a_MK.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points (Triton on the GPU / under the interpreter, the reference otherwise)
+# ----------------------------------------------------------------------------------------------
+
+
+def grouped_gemm(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
+                 activation=None, out_dtype=None):
+    """Row-grouped GEMM: for sorted position s of expert e,
+    ``out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[e])``.
+
+    a_MK [M, K] and w_EKN [E, K, N] (any strides, e.g. ``w2.transpose(1, 2)``) share one dtype;
+    gather_S / scatter_S: int vectors of the S sorted positions (None = identity; scatter must be
+    a permutation of [0, S)); scale_S: fp32 [S]; offsets_E1: int32 [E+1] with offsets_E1[-1] = S.
+    Accumulates in fp32. Returns, in ``out_dtype`` (default a's):
+      activation None:     out [S, N]
+      activation 'gelu':   (pre [S, N], gelu_tanh(pre) [S, N])
+      activation 'swiglu': (pre [S, N] = [gate | up], silu(gate) * up [S, N/2])
+    """
+    fn = grouped_gemm_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_reference
+    return fn(a_MK, w_EKN, offsets_E1, gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S,
+              activation=activation, out_dtype=out_dtype)
+
+
+def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None):
+    """Backward of the activation fused into the GEMM that produces its output gradient.
+
+    With g[s] = a[gather(s)] @ w[e] (= dL/d act, e.g. dy[t] @ w2[e]ᵀ) and the saved
+    pre-activation pre_SX (gelu: [S, N]; swiglu: [S, 2N] = [gate | up]), returns
+      dpre_SX [S, X]: scale(s) * g * act'(pre)  (swiglu: [d_gate | d_up]), in pre's dtype,
+      act_SN  [S, N]: scale(s) * act(pre), recomputed: the input of the w2 weight gradient
+              (dw2[e] = Σ act_SN[s]ᵀ dy[t(s)] then needs no scale), in pre's dtype,
+      dscale_S fp32 [S]: Σ_n g·act, i.e. dL/d scale(s) when the forward multiplied by scale(s).
+    """
+    fn = grouped_gemm_dact_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_dact_reference
+    return fn(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S)
+
+
+def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None, out_dtype=None):
+    """Grouped weight gradient: dw[e] = Σ_{s of e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)]) → [E, K, N].
+
+    Experts without rows get exact zeros. Accumulates in fp32; returns ``out_dtype`` (default a's).
+    """
+    fn = grouped_wgrad_triton if use_triton(a_MK, b_MN, offsets_E1) else grouped_wgrad_reference
+    return fn(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S, scale_S=scale_S,
+              out_dtype=out_dtype)

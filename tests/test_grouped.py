@@ -1,0 +1,291 @@
+"""Grouped GEMM kernels (kernels/grouped.py) and the grouped_mlp op (ops/grouped_mlp.py).
+
+Kernels are checked against their plain-PyTorch references with poisoned (NaN) outputs; the op's
+output and its gradients of x, w1, w2 and the router weights against a float64 per-token loop
+written here. On the CPU the kernels run under the Triton interpreter (tiny shapes; tile 16).
+
+    pytest tests/test_grouped.py            # CPU: interpreter
+    pytest tests/test_grouped.py -m gpu     # GPU-only cases (autotuned kernels, no host sync)
+"""
+import math
+
+import pytest
+import torch
+
+from megatron_moe.kernels import grouped as G
+from megatron_moe.kernels.metadata import routing_metadata
+from megatron_moe.ops.grouped_mlp import grouped_mlp
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+# max |error| / max |reference|. bf16 under the interpreter sits near 1.6e-2 at worst: the
+# interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest), doubling the rounding.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def make_ids(kind, T, E, K, gen):
+    """[T, K] expert ids with K distinct experts per token, by kind."""
+    if kind == "all_one":
+        assert K == 1
+        return torch.full((T, 1), E // 2, dtype=torch.long)
+    if kind == "sparse":  # only experts 1 and E-2: all others empty (incl. first and last)
+        pool = torch.tensor([1, E - 2])
+        return torch.stack([pool[torch.randperm(2, generator=gen)[:K]] for _ in range(T)])
+    return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+
+
+def routing_for(kind, T, E, K, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids_TK = make_ids(kind, T, E, K, gen).to(device)
+    return ids_TK, routing_metadata(ids_TK, E, 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Independent float64 loop
+# ----------------------------------------------------------------------------------------------
+
+
+def loop_mlp(x, w1, w2, ids, weights, activation):
+    """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e]) @ w2[e]), one token and one k at a time."""
+    T, K = ids.shape
+    rows = []
+    for t in range(T):
+        y = torch.zeros(x.shape[1], dtype=x.dtype)
+        for k in range(K):
+            e = int(ids[t, k])
+            h = x[t] @ w1[e]
+            if activation == "gelu":
+                a = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+            else:
+                gate, up = h[: h.numel() // 2], h[h.numel() // 2:]
+                a = gate / (1 + torch.exp(-gate)) * up
+            y = y + weights[t, k] * (a @ w2[e])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0):
+    ids_TK, routing = routing_for(kind, T, E, K, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    F1 = 2 * F if activation == "swiglu" else F
+    x = torch.randn(T, H, generator=gen)
+    w1 = torch.randn(E, H, F1, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, F, H, generator=gen) / math.sqrt(F)
+    wts = torch.rand(T, K, generator=gen) + 0.1
+    dy = torch.randn(T, H, generator=gen)
+    # quantise to the test dtype so both sides see the same inputs
+    x, w1, w2, dy = (t.to(dtype) for t in (x, w1, w2, dy))
+
+    leaves = [t.to(device, copy=True).requires_grad_() for t in (x, w1, w2, wts)]
+    y = grouped_mlp(*leaves, routing, activation)
+    assert y.dtype == dtype and y.shape == (T, H)
+    y.backward(dy.to(device))
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
+    y_ref = loop_mlp(*ref_leaves[:3], ids_TK.cpu(), ref_leaves[3], activation)
+    y_ref.backward(dy.double())
+
+    tol = TOL[dtype]
+    assert rel_err(y.cpu(), y_ref) < tol, "y"
+    for name, got, want in zip(("dx", "dw1", "dw2", "dweights"), leaves, ref_leaves):
+        assert got.grad.dtype == got.dtype, name
+        assert torch.isfinite(got.grad).all(), name
+        assert rel_err(got.grad.cpu(), want.grad) < tol, name
+    return leaves
+
+
+# ----------------------------------------------------------------------------------------------
+# The op against the float64 loop
+# ----------------------------------------------------------------------------------------------
+
+OP_CASES = {  # T, H, F, E, K, kind, activation
+    "one_expert": (21, 24, 20, 1, 1, "random", "gelu"),
+    "16_experts_top1": (37, 20, 18, 16, 1, "random", "swiglu"),
+    "top_k_eq_num_experts": (11, 20, 17, 4, 4, "random", "gelu"),
+    "empty_experts_top2": (19, 24, 20, 6, 2, "sparse", "swiglu"),
+    "all_to_one_expert": (35, 20, 18, 4, 1, "all_one", "gelu"),
+}
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_grouped_mlp_fp32(case, device):
+    check_op(*OP_CASES[case], dtype=torch.float32, device=device)
+
+
+@pytest.mark.parametrize("case", ["top_k_eq_num_experts", "empty_experts_top2"])
+def test_grouped_mlp_bf16(case, device):
+    check_op(*OP_CASES[case], dtype=torch.bfloat16, device=device)
+
+
+def test_grouped_mlp_reference_path(monkeypatch):
+    """CPU without Triton: the same Function runs the plain-PyTorch references."""
+    calls = []
+    real = G.grouped_gemm_triton
+    monkeypatch.setattr(G, "grouped_gemm_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(G, "use_triton", lambda *tensors: False)
+    for case in ("empty_experts_top2", "top_k_eq_num_experts"):
+        check_op(*OP_CASES[case], dtype=torch.float32, device=torch.device("cpu"))
+    assert not calls
+
+
+def test_grouped_mlp_matches_reference_experts(device):
+    """Same numbers as the project's reference_experts (another independent path)."""
+    from megatron_moe.experts import reference_experts
+
+    T, H, F, E, K = 13, 20, 18, 5, 2
+    ids_TK, routing = routing_for("random", T, E, K, device, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x, w1, w2 = torch.randn(T, H, generator=gen), torch.randn(E, H, 2 * F, generator=gen), torch.randn(E, F, H, generator=gen)
+    wts = torch.rand(T, K, generator=gen)
+    x, w1, w2, wts = (t.to(device) for t in (x, w1, w2, wts))
+    y = grouped_mlp(x, w1, w2, wts, routing, "swiglu")
+    y_ref = reference_experts(x.double(), w1.double(), w2.double(), ids_TK, wts.double(), "swiglu")
+    assert rel_err(y.cpu(), y_ref.cpu()) < 2e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels against their references (outputs poisoned with NaN: every element must be written)
+# ----------------------------------------------------------------------------------------------
+
+
+def kernel_inputs(kind, T, E, K, device, seed=0):
+    _, r = routing_for(kind, T, E, K, device, seed)
+    S = T * K
+    gen = torch.Generator().manual_seed(seed + 7)
+    scale = (torch.rand(S, generator=gen) + 0.5).to(device)
+    return r, S, scale, gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
+def test_grouped_gemm_kernel(activation, dtype, device):
+    T, E, K, H, F = 17, 5, 2, 35, 19
+    r, S, scale, gen = kernel_inputs("random", T, E, K, device)
+    a = torch.randn(T, H, generator=gen).to(device, dtype)
+    Nw = 2 * F if activation == "swiglu" else F
+    w = torch.randn(E, Nw, H, generator=gen).to(device, dtype).transpose(1, 2)  # [E, H, Nw], strided
+    kw = dict(gather_S=r.sorted_token_N, scatter_S=r.sort_order_N, scale_S=scale, activation=activation)
+    out = torch.full((S, Nw), float("nan"), device=device, dtype=dtype)
+    act = torch.full((S, F), float("nan"), device=device, dtype=dtype) if activation else None
+    got = G.grouped_gemm_triton(a, w, r.expert_offsets_E1, out=out, act_out=act, **kw)
+    want = G.grouped_gemm_reference(a, w, r.expert_offsets_E1, **kw)
+    got, want = (got, want) if activation else ((got,), (want,))
+    for g, wnt in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert rel_err(g, wnt) < TOL[dtype] / 2
+    # independent check of the plain GEMM part: row of assignment (t, k) = scale · a[t] @ w[e]
+    a_idx = r.sort_order_N.long()
+    direct = torch.stack([a[int(r.sorted_token_N[s])].double() @ w[int(r.expert_ids_N[a_idx[s]])].double()
+                          for s in range(S)]) * scale.double()[:, None]
+    pre = torch.empty_like(direct).index_copy_(0, a_idx, direct)
+    assert rel_err(got[0], pre) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_grouped_gemm_dact_kernel(activation, dtype, device):
+    T, E, K, H, F = 17, 5, 2, 35, 19
+    r, S, scale, gen = kernel_inputs("sparse", T, E, K, device)
+    dy = torch.randn(T, H, generator=gen).to(device, dtype)
+    w2 = torch.randn(E, F, H, generator=gen).to(device, dtype)
+    pre = torch.randn(S, 2 * F if activation == "swiglu" else F, generator=gen).to(device, dtype)
+    args = (dy, w2.transpose(1, 2), r.expert_offsets_E1, pre, activation)
+    got = G.grouped_gemm_dact_triton(*args, gather_S=r.sorted_token_N, scale_S=scale)
+    want = G.grouped_gemm_dact_reference(*args, gather_S=r.sorted_token_N, scale_S=scale)
+    for name, g, wnt in zip(("dpre", "act", "dscale"), got, want):
+        assert g.shape == wnt.shape and g.dtype == wnt.dtype, name
+        assert rel_err(g, wnt) < TOL[dtype] / 2, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_wgrad_kernel(dtype, device):
+    T, E, K, Ka, Nb = 23, 6, 2, 35, 21
+    r, S, scale, gen = kernel_inputs("sparse", T, E, K, device)  # experts 0, 2, 3, 5 empty
+    a = torch.randn(S, Ka, generator=gen).to(device, dtype)
+    b = torch.randn(T, Nb * 2, generator=gen).to(device, dtype)[:, ::2]  # strided columns
+    out = torch.full((E, Ka, Nb), float("nan"), device=device, dtype=dtype)
+    kw = dict(gather_b_S=r.sorted_token_N, scale_S=scale)
+    got = G.grouped_wgrad_triton(a, b, r.expert_offsets_E1, out=out, **kw)
+    want = G.grouped_wgrad_reference(a, b, r.expert_offsets_E1, **kw)
+    assert rel_err(got, want) < TOL[dtype] / 2
+    counts = r.tokens_per_expert_E.cpu()
+    assert (counts == 0).sum() == 4
+    assert (got[counts == 0] == 0).all() and got[counts > 0].abs().amin(dim=(1, 2)).gt(0).all()
+    # independent: dw[e] = Σ over e's rows of a[s]ᵀ scale(s) b[t(s)]
+    e_S = torch.repeat_interleave(torch.arange(E, device=device), r.tokens_per_expert_E.long())
+    b_rows = b[r.sorted_token_N.long()].double() * scale.double()[:, None]
+    direct = torch.stack([a[e_S == e].double().t() @ b_rows[e_S == e] for e in range(E)])
+    assert rel_err(got, direct) < TOL[dtype]
+
+
+def test_grouped_wgrad_gather_a_one_expert(device):
+    T, H, F = 21, 19, 33
+    r, S, _, gen = kernel_inputs("random", T, 1, 1, device)
+    x = torch.randn(T, H, generator=gen).to(device)
+    d = torch.randn(S, F, generator=gen).to(device)
+    got = G.grouped_wgrad_triton(x, d, r.expert_offsets_E1, gather_a_S=r.sorted_token_N)
+    assert rel_err(got[0], x[r.sorted_token_N.long()].double().t() @ d.double()) < TOL[torch.float32]
+
+
+def test_shape_errors(device):
+    off = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    a = torch.randn(3, 8, device=device)
+    with pytest.raises(ValueError, match="K="):
+        G.grouped_gemm(a, torch.randn(1, 9, 4, device=device), off)
+    with pytest.raises(ValueError, match="offsets_E1"):
+        G.grouped_gemm(a, torch.randn(2, 8, 4, device=device), off)
+    with pytest.raises(ValueError, match="swiglu"):
+        G.grouped_gemm_triton(a, torch.randn(1, 8, 5, device=device), off, activation="swiglu")
+    with pytest.raises(ValueError, match="share"):
+        G.grouped_gemm(a, torch.randn(1, 8, 4, device=device, dtype=torch.float64), off)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: autotuned tile sizes, realistic shapes, no host synchronisation
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_grouped_mlp_gpu_bf16_vs_reference_experts(activation):
+    from megatron_moe.experts import reference_experts
+
+    T, H, F, E, K = 1536, 512, 704, 16, 2
+    dev = torch.device("cuda")
+    ids_TK, routing = routing_for("random", T, E, K, dev, seed=5)
+    ids_TK[: T // 2, 0] = 3  # imbalance: expert 3 gets over half of the first choices
+    ids_TK[: T // 2, 1] = torch.where(ids_TK[: T // 2, 1] == 3, 4, ids_TK[: T // 2, 1])
+    routing = routing_metadata(ids_TK, E, 128)
+    F1 = 2 * F if activation == "swiglu" else F
+    x = torch.randn(T, H, device=dev)
+    w1 = torch.randn(E, H, F1, device=dev) / H ** 0.5
+    w2 = torch.randn(E, F, H, device=dev) / F ** 0.5
+    wts = torch.rand(T, K, device=dev)
+    dy = torch.randn(T, H, device=dev)
+    leaves = [t.bfloat16().requires_grad_() for t in (x, w1, w2)] + [wts.clone().requires_grad_()]
+    grouped_mlp(*leaves, routing, activation).backward(dy.bfloat16())  # autotune outside the sync check
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = grouped_mlp(*leaves, routing, activation)
+        y.backward(dy.bfloat16())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = reference_experts(*ref[:3], ids_TK, ref[3], activation)
+    y_ref.backward(dy.double())
+    assert rel_err(y, y_ref) < 2e-2
+    for name, got, want in zip(("dx", "dw1", "dw2", "dweights"), leaves, ref):
+        assert rel_err(got.grad, want.grad) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_grouped_mlp_gpu_fp32_tight():
+    check_op(200, 96, 80, 8, 2, "random", "swiglu", torch.float32, torch.device("cuda"))
