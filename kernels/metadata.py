@@ -8,9 +8,9 @@ Legend (shape suffixes):
 Everything here is computed on the device with shapes bounded up front (``R_max``), so no
 host synchronisation is needed: unused row blocks have expert -1 and kernels skip them.
 
-The Triton path sorts by expert with a stable counting sort in three launches (per-chunk
-histograms -> scan over chunks -> scatter) and builds the topology in one more; its results are
-bit-identical to the plain-PyTorch references below.
+The Triton path sorts by expert with a stable counting sort in four launches (per-chunk
+histograms -> scan over chunks -> scan over experts -> scatter) and builds the topology in one
+more; its results are bit-identical to the plain-PyTorch references below.
 """
 from __future__ import annotations
 
@@ -163,42 +163,71 @@ def block_topology_reference(routing: Routing, num_columns: int) -> Topology:
 # ----------------------------------------------------------------------------------------------
 # Triton kernels: a stable counting sort by expert (no general sort, no atomics)
 #
-# Assignments are cut into chunks of CHUNK. For chunk c and expert e:
-#   hist[e, c]     number of assignments of chunk c routed to e          (_histogram_kernel)
-#   prefix[e, c]   exclusive sum of hist[e, :c], and counts[e] = total   (_chunk_scan_kernel)
-#   sorted position of assignment a (expert e, chunk c)
-#     = expert_offset[e] + prefix[e, c] + #{earlier a' in chunk c with expert e}  (_scatter_kernel)
-# hist/prefix are laid out expert-major [E, num_chunks] so each scan program reads one contiguous
-# row. Pointer offsets are formed in int64 (program id promoted first); all stored values fit
-# int32 because they are bounded by N, P_max or Z.
+# Assignments are cut into chunks of CHUNK (chunk c = assignments [c*CHUNK, (c+1)*CHUNK)).
+#   _histogram_kernel    per chunk: hist[e, c] = assignments of chunk c routed to e, and
+#                        rank_N[a] = earlier assignments of a's chunk with a's expert
+#   _chunk_scan_kernel   per expert: hist[e, :] -> exclusive cumsum over chunks; counts[e]
+#   _expert_scan_kernel  one program: counts -> expert_offsets_E1, padded_offsets_E1
+#   _scatter_kernel      per assignment a of expert e in chunk c:
+#                          before = prefix[e, c] + rank_N[a]   (earlier assignments of e)
+#                          sorted row = offsets[e] + before, padded row = padded_offsets[e] + before
+# The chunk statistics come from one of two equivalent methods, picked by E:
+#   one-hot   [CHUNK, BLOCK_E] one-hot tiles: column sums and an exclusive cumsum down the chunk
+#             (work ~ CHUNK * E per chunk; best for few experts);
+#   pairwise  [CHUNK, CHUNK] equality matrix of the chunk with itself (work ~ CHUNK^2 per chunk,
+#             independent of E; best for many experts, with a small CHUNK).
+# hist is expert-major [E, num_chunks] so each scan program reads one contiguous row. Pointer
+# offsets are formed in int64 (program ids promoted first); every stored value fits int32 as it is
+# bounded by N, P_max or Z.
 # ----------------------------------------------------------------------------------------------
 
-_CHUNK = 256  # assignments per program of the histogram and scatter kernels
-_MAX_BLOCK_E = 32  # experts per one-hot tile ([CHUNK, BLOCK_E] int32 live per tile)
-_BLOCK_C = 1024  # chunks per step of the scan kernel
+_PAIRWISE_MIN_EXPERTS = 32  # E above this: pairwise chunk statistics, else one-hot
+_CHUNK_ONEHOT = 256  # assignments per histogram program, one-hot method
+_CHUNK_PAIRWISE = 64  # assignments per histogram program, pairwise method
+_MAX_BLOCK_E = 16  # experts per one-hot tile
+_BLOCK_C = 1024  # chunks per step of the chunk-scan kernel
+_BLOCK_SCATTER = 1024  # assignments per program of the scatter kernel
 _BLOCK_Z = 1024  # blocks per program of the topology kernel
 
 
 @triton.jit
 def _histogram_kernel(
     # pointers
-    ids_ptr, ids32_ptr, hist_ptr, padded_src_ptr, row_expert_ptr,
+    ids_ptr, ids32_ptr, rank_ptr, hist_ptr, padded_src_ptr, row_expert_ptr,
     # sizes
     N, E, num_chunks, P, R, fill_p, fill_r,
     # meta-parameters
-    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, PAIRWISE: tl.constexpr,
 ):
-    """hist[e, c] = one-hot sums of chunk c; also the int32 copy of the ids and the -1 fill."""
+    """Chunk c: hist[:, c], rank_N of its assignments, the int32 copy of the ids, the -1 fill."""
     c = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     offs = c.to(tl.int64) * CHUNK + lane
     mask = offs < N
-    ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
+    ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)  # -1 matches no expert
     tl.store(ids32_ptr + offs, ids, mask=mask)
-    for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-        tl.store(hist_ptr + e.to(tl.int64) * num_chunks + c, tl.sum(onehot, axis=0), mask=e < E)
+    if PAIRWISE:
+        # one reduction gives both: low 16 bits count equal ids before i, high bits all equal ids
+        same = ids[:, None] == ids[None, :]
+        weight = tl.where(lane[None, :] < lane[:, None], 65537, 65536)
+        packed = tl.sum(tl.where(same, weight, 0), axis=1)
+        rank = packed & 65535
+        # hist[:, c] = 0, then every assignment writes its expert's count (equal values when
+        # several write one slot); the barrier orders the two within the program
+        for e0 in range(0, E, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            tl.store(hist_ptr + e.to(tl.int64) * num_chunks + c, tl.zeros([BLOCK_E], tl.int32), mask=e < E)
+        tl.debug_barrier()
+        tl.store(hist_ptr + ids.to(tl.int64) * num_chunks + c, packed >> 16, mask=mask)
+    else:
+        # each assignment matches one expert of one tile, where its inclusive cumsum is rank + 1
+        rank = tl.full([CHUNK], -1, dtype=tl.int32)
+        for e0 in range(0, E, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+            rank += tl.sum(onehot * tl.cumsum(onehot, axis=0), axis=1)
+            tl.store(hist_ptr + e.to(tl.int64) * num_chunks + c, tl.sum(onehot, axis=0), mask=e < E)
+    tl.store(rank_ptr + offs, rank, mask=mask)
     # Every padded row and row block starts as -1; the scatter kernel (a later launch) writes the
     # real ones. Program c fills its stripe [c*fill, (c+1)*fill) of each array.
     minus1 = tl.full([CHUNK], -1, tl.int32)
@@ -235,55 +264,54 @@ def _chunk_scan_kernel(
 
 
 @triton.jit
-def _scatter_kernel(
+def _expert_scan_kernel(
     # pointers
-    ids32_ptr, prefix_ptr, counts_ptr,
-    offsets_ptr, padded_offsets_ptr, sort_order_ptr, padded_row_ptr, padded_src_ptr, row_expert_ptr,
+    counts_ptr, offsets_ptr, padded_offsets_ptr,
     # sizes
-    N, E, B, num_chunks,
+    E, B,
     # meta-parameters
-    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    """Sorted and padded position of every assignment of chunk c, and the expert offsets.
-
-    Each program rescans the E counts (cheap) to get the expert offsets; program 0 stores them.
-    """
-    c = tl.program_id(0)
-    offs = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < N
-    ids = tl.load(ids32_ptr + offs, mask=mask, other=-1)
-    sorted_pos = tl.zeros([CHUNK], dtype=tl.int32)
-    padded_pos = tl.zeros([CHUNK], dtype=tl.int32)
+    """One program: offsets = [0, cumsum(counts)], padded = [0, cumsum(counts rounded up to B)]."""
+    lane = tl.arange(0, BLOCK_E)
+    tl.store(offsets_ptr + lane, tl.zeros([BLOCK_E], tl.int32), mask=lane == 0)
+    tl.store(padded_offsets_ptr + lane, tl.zeros([BLOCK_E], tl.int32), mask=lane == 0)
     carry = 0
     padded_carry = 0
-    # only program 0 stores the offsets: experts e < store_end, and the totals at index E
-    store_end = tl.where(c == 0, E, 0)
     for e0 in range(0, E, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        e_mask = e < E
-        counts = tl.load(counts_ptr + e, mask=e_mask, other=0)
+        e = e0 + lane
+        mask = e < E
+        counts = tl.load(counts_ptr + e, mask=mask, other=0)
         padded_counts = (counts + B - 1) // B * B
-        ends = tl.cumsum(counts, axis=0) + carry
-        padded_ends = tl.cumsum(padded_counts, axis=0) + padded_carry
-        offsets = ends - counts
-        padded_offsets = padded_ends - padded_counts
-        tl.store(offsets_ptr + e, offsets, mask=e < store_end)
-        tl.store(padded_offsets_ptr + e, padded_offsets, mask=e < store_end)
-        tl.store(offsets_ptr + e + 1, ends, mask=e + 1 == store_end)
-        tl.store(padded_offsets_ptr + e + 1, padded_ends, mask=e + 1 == store_end)
+        tl.store(offsets_ptr + e + 1, tl.cumsum(counts, axis=0) + carry, mask=mask)
+        tl.store(padded_offsets_ptr + e + 1, tl.cumsum(padded_counts, axis=0) + padded_carry, mask=mask)
         carry += tl.sum(counts, axis=0)
         padded_carry += tl.sum(padded_counts, axis=0)
-        # rank of each assignment among the same expert's: earlier chunks + earlier in this chunk
-        prefix = tl.load(prefix_ptr + e.to(tl.int64) * num_chunks + c, mask=e_mask, other=0)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - onehot + prefix[None, :]
-        sorted_pos += tl.sum(onehot * (rank + offsets[None, :]), axis=1)
-        padded_pos += tl.sum(onehot * (rank + padded_offsets[None, :]), axis=1)
-    tl.store(sort_order_ptr + sorted_pos, offs.to(tl.int32), mask=mask)
-    tl.store(padded_row_ptr + offs, padded_pos, mask=mask)
-    tl.store(padded_src_ptr + padded_pos, offs.to(tl.int32), mask=mask)
+
+
+@triton.jit
+def _scatter_kernel(
+    # pointers
+    ids32_ptr, rank_ptr, prefix_ptr, offsets_ptr, padded_offsets_ptr,
+    sort_order_ptr, padded_row_ptr, padded_src_ptr, row_expert_ptr,
+    # sizes
+    N, B, num_chunks,
+    # meta-parameters
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Sorted and padded row of each assignment, and their inverses."""
+    a = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = a < N
+    e = tl.load(ids32_ptr + a, mask=mask, other=0)
+    before = tl.load(prefix_ptr + e.to(tl.int64) * num_chunks + a // CHUNK, mask=mask, other=0)
+    before += tl.load(rank_ptr + a, mask=mask, other=0)
+    sorted_row = tl.load(offsets_ptr + e, mask=mask, other=0) + before
+    padded_row = tl.load(padded_offsets_ptr + e, mask=mask, other=0) + before
+    tl.store(sort_order_ptr + sorted_row, a.to(tl.int32), mask=mask)
+    tl.store(padded_row_ptr + a, padded_row, mask=mask)
+    tl.store(padded_src_ptr + padded_row, a.to(tl.int32), mask=mask)
     # A used row block always starts with a real row, whose expert is the block's expert.
-    tl.store(row_expert_ptr + padded_pos // B, ids, mask=mask & (padded_pos % B == 0))
+    tl.store(row_expert_ptr + padded_row // B, e, mask=mask & (padded_row % B == 0))
 
 
 @triton.jit
@@ -330,42 +358,50 @@ def _topology_kernel(
 
 def _routing_metadata_triton(
     expert_ids_TK: torch.Tensor, num_experts: int, block_size: int,
-    chunk_size: int = _CHUNK, max_block_e: int = _MAX_BLOCK_E, block_c: int = _BLOCK_C,
+    pairwise: bool | None = None, chunk_size: int | None = None,
+    max_block_e: int = _MAX_BLOCK_E, block_c: int = _BLOCK_C,
 ) -> Routing:
-    """Triton launcher of :func:`routing_metadata` (three launches).
+    """Triton launcher of :func:`routing_metadata`: four launches, no host synchronisation.
 
-    The tile sizes (powers of two) are arguments so tests can force many chunks and E tiles.
+    ``pairwise`` picks the chunk-statistics method (default: by E); it and the tile sizes
+    (powers of two) are arguments so tests can force both methods, many chunks and E tiles.
     """
     T, K = expert_ids_TK.shape
     N, E, B = T * K, num_experts, block_size
     dev = expert_ids_TK.device
     ids_N = expert_ids_TK.reshape(-1).contiguous()
+    if pairwise is None:
+        pairwise = E > _PAIRWISE_MIN_EXPERTS
+    chunk = chunk_size or (_CHUNK_PAIRWISE if pairwise else _CHUNK_ONEHOT)
+    assert chunk < 2**15, "the pairwise method packs two counts of at most CHUNK into one int32"
     R_max = max_row_blocks(N, E, B)
     P_max = R_max * B
-    num_chunks = max(1, cdiv(N, chunk_size))
-    block_e = min(triton.next_power_of_2(E), max_block_e)
+    num_chunks = max(1, cdiv(N, chunk))
     i32 = torch.int32
 
-    def empty(n):
-        return torch.empty(n, dtype=i32, device=dev)
+    def empty(*shape):
+        return torch.empty(shape, dtype=i32, device=dev)
 
-    ids32_N = empty(N)
-    hist_EC = empty((E, num_chunks))
+    ids32_N, rank_N, hist_EC = empty(N), empty(N), empty(E, num_chunks)
     counts_E, offsets_E1, padded_E1 = empty(E), empty(E + 1), empty(E + 1)
     sort_order_N, padded_row_N = empty(N), empty(N)
     padded_src_P, row_expert_R = empty(P_max), empty(R_max)
     _histogram_kernel[(num_chunks,)](
-        ids_N, ids32_N, hist_EC, padded_src_P, row_expert_R,
+        ids_N, ids32_N, rank_N, hist_EC, padded_src_P, row_expert_R,
         N, E, num_chunks, P_max, R_max, cdiv(P_max, num_chunks), cdiv(R_max, num_chunks),
-        CHUNK=chunk_size, BLOCK_E=block_e,
+        CHUNK=chunk, BLOCK_E=min(triton.next_power_of_2(E), 64 if pairwise else max_block_e),
+        PAIRWISE=pairwise,
     )
     _chunk_scan_kernel[(E,)](hist_EC, counts_E, num_chunks, BLOCK_C=block_c)
-    _scatter_kernel[(num_chunks,)](
-        ids32_N, hist_EC, counts_E,
-        offsets_E1, padded_E1, sort_order_N, padded_row_N, padded_src_P, row_expert_R,
-        N, E, B, num_chunks,
-        CHUNK=chunk_size, BLOCK_E=block_e,
-    )
+    _expert_scan_kernel[(1,)](counts_E, offsets_E1, padded_E1, E, B,
+                              BLOCK_E=min(triton.next_power_of_2(E), 1024))
+    if N:
+        _scatter_kernel[(cdiv(N, _BLOCK_SCATTER),)](
+            ids32_N, rank_N, hist_EC, offsets_E1, padded_E1,
+            sort_order_N, padded_row_N, padded_src_P, row_expert_R,
+            N, B, num_chunks,
+            CHUNK=chunk, BLOCK=_BLOCK_SCATTER,
+        )
     return Routing(
         num_tokens=T, top_k=K, num_experts=E, block_size=B,
         expert_ids_N=ids32_N, sort_order_N=sort_order_N,

@@ -16,6 +16,7 @@ ROUTING_TENSORS = [
 TOPOLOGY_TENSORS = ["row_indices_Z", "column_indices_Z", "offsets_t_C1", "block_offsets_t_Z"]
 # tiny tiles: many chunks per call, several expert tiles, several scan steps
 SMALL_TILES = dict(chunk_size=16, max_block_e=8, block_c=4)
+METHODS = {"onehot": False, "pairwise": True}
 
 
 def assert_same(got, ref, names):
@@ -94,10 +95,20 @@ def test_triton_equals_reference(case, device):
     check_triton(make_ids(T, K, E, kind, device=device), E, B)
 
 
-@pytest.mark.parametrize("case", ["random_top2", "e64_top1", "empty_experts", "all_to_last", "block128"])
-def test_triton_equals_reference_small_tiles(case, device):
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("case", ["random_top2", "random_dup", "e64_top1", "empty_experts", "all_to_last",
+                                  "n_below_block", "block128", "empty_batch"])
+def test_triton_equals_reference_small_tiles(case, method, device):
+    """Both chunk-statistics methods, forced, with many chunks, E tiles and scan steps."""
     T, K, E, B, kind = CASES[case]
-    check_triton(make_ids(T, K, E, kind, seed=1, device=device), E, B, **SMALL_TILES)
+    check_triton(make_ids(T, K, E, kind, seed=1, device=device), E, B, pairwise=METHODS[method], **SMALL_TILES)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_triton_default_tiles_other_method(method, device):
+    """Each method at its own default chunk size, also where E would pick the other one."""
+    for T, K, E, B, kind in [CASES["random_top2"], CASES["e256_top8"]]:
+        check_triton(make_ids(T, K, E, kind, seed=6, device=device), E, B, pairwise=METHODS[method])
 
 
 def test_int32_and_strided_input(device):
@@ -108,12 +119,13 @@ def test_int32_and_strided_input(device):
     check_triton(strided, 8, 16)
 
 
+@pytest.mark.parametrize("case", ["random_top2", "empty_experts"])
 @pytest.mark.parametrize("F", [1, 16, 17, 53, 128])
-def test_topology_column_counts(F, device):
-    """Fb = 1, partial last column block, several column blocks (B = 16)."""
-    ref = md.routing_metadata_reference(make_ids(60, 2, 8, "subset" if F == 53 else "distinct", device=device), 8 if F != 53 else 32, 16)
-    t_ref = md.block_topology_reference(ref, F)
-    assert_same(md.block_topology(ref, F), t_ref, TOPOLOGY_TENSORS)
+def test_topology_column_counts(case, F, device):
+    """Fb = 1, a partial last column block, several column blocks (B = 16)."""
+    T, K, E, B, kind = CASES[case]
+    routing = md.routing_metadata_reference(make_ids(T, K, E, kind, device=device), E, B)
+    assert_same(md.block_topology(routing, F), md.block_topology_reference(routing, F), TOPOLOGY_TENSORS)
 
 
 @pytest.mark.gpu
@@ -191,14 +203,6 @@ def test_reference_properties(case):
 
     # row blocks: the expert of each used block, -1 past the used rows
     assert r.row_block_expert_R.tolist() == row_expert + [-1] * (R_max - len(row_expert))
-
-
-def test_max_row_blocks_is_an_upper_bound():
-    for N, E, B in [(0, 4, 16), (1, 1, 16), (37, 3, 16), (5, 64, 128), (1000, 8, 128), (4096, 256, 128)]:
-        bound = md.max_row_blocks(N, E, B)
-        # worst case: as many experts as possible with a single leftover assignment
-        worst = sum(-(-n // B) for n in [N - min(E, N) + 1] + [1] * (min(E, N) - 1)) if N else 0
-        assert bound >= max(worst, 1)
 
 
 @pytest.mark.parametrize("case,F", [("random_top2", 40), ("empty_experts", 16), ("all_to_last", 5),
