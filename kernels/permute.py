@@ -84,6 +84,9 @@ def padded_gather_triton(x_TH, routing: Routing, weights_TK=None, out=None):
 
 def padded_gather_reference(x_TH, routing: Routing, weights_TK=None, out=None):
     src_P = routing.padded_src_P.long()
+    if x_TH.shape[0] == 0:  # no tokens (e.g. an expert-parallel rank that received none)
+        x_PH = x_TH.new_zeros(src_P.shape[0], x_TH.shape[1])
+        return x_PH if out is None else out.copy_(x_PH)
     valid_P = (src_P >= 0)[:, None]
     a_P = src_P.clamp(min=0)
     x_PH = x_TH[torch.div(a_P, routing.top_k, rounding_mode="floor")]

@@ -26,6 +26,10 @@ parameter name). Every expert is stored exactly once. Loading concatenates the s
 order and slices each rank's experts, so a run can resume with another expert-parallel size
 (or none); a checkpoint without EP loads onto EP ranks the same way.
 
+Fault injection (tests only): ``MEGATRON_MOE_FAULT_SAVE_SLEEP=STEP:SECONDS`` makes the save of
+checkpoint STEP sleep SECONDS after its first file is written into the temporary folder, so
+a test can kill the process in the middle of a checkpoint write (tests/test_faults.py).
+
     from megatron_moe.checkpoint import save_checkpoint, latest_checkpoint, load_checkpoint
     save_checkpoint(run_dir, step=100, model=model, optimizer=opt, meta={...})
     path = latest_checkpoint(run_dir)            # None when there is none
@@ -37,6 +41,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +109,16 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fault_sleep(step: int) -> None:
+    """Test hook: MEGATRON_MOE_FAULT_SAVE_SLEEP=STEP:SECONDS pauses the save of STEP mid-write."""
+    spec = os.environ.get("MEGATRON_MOE_FAULT_SAVE_SLEEP")
+    if not spec:
+        return
+    at, _, seconds = spec.partition(":")
+    if int(at) == step:
+        time.sleep(float(seconds or 0))
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -174,6 +189,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     _barrier()
 
     _save_file(get_rng_state(), tmp / _rng_name(rank))
+    _fault_sleep(step)
     ep = groups.ep_size if groups is not None else 1
     experts = _expert_names(model)
     if ep > 1 and rank < ep:  # the first EP group: EP rank j == global rank j

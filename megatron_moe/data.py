@@ -803,28 +803,97 @@ def _batches(docs: Iterator[str], max_chars: int = 8_000_000, max_docs: int = 40
         yield batch
 
 
+def _pair_fix(field_name: str, prefix: str) -> str:
+    """What to do about a broken .bin/.idx pair: rebuild a prepared cache, or re-create a prefix."""
+    if field_name == "data.data_prefix":
+        return ("re-create the pair (megatron-moe-prepare-data --output-prefix PREFIX) or point "
+                "data.data_prefix at an intact copy")
+    return (f"delete {Path(prefix).parent} and run again: the prepared data is rebuilt from "
+            "data.paths")
+
+
 def _read_idx_header(prefix: str, field_name: str) -> tuple[int, int, int]:
-    """(sequence count, document count, token dtype itemsize) of ``prefix.idx``; checks .bin."""
+    """(sequence count, document count, token dtype itemsize) of ``prefix.idx``.
+
+    Checks the pair is whole before megatron-core maps it: the .idx header (magic, version,
+    dtype), the .idx size its counts imply, its last document index, and the .bin size its
+    last sequence pointer and length imply. A truncated or mixed-up pair raises ValueError
+    naming ``field_name``, the file and the fix."""
     from megatron.core.datasets.indexed_dataset import DType
 
     for ext in (".bin", ".idx"):
         if not Path(prefix + ext).is_file():
             raise FileNotFoundError(f"{field_name}: {prefix}{ext} does not exist (a megatron "
                                     "prefix needs both PREFIX.bin and PREFIX.idx)")
+    fix = _pair_fix(field_name, prefix)
+    idx_size = os.path.getsize(prefix + ".idx")
     with open(prefix + ".idx", "rb") as f:
         head = f.read(34)
     if len(head) < 34 or head[:9] != b"MMIDIDX\x00\x00":
-        raise ValueError(f"{field_name}: {prefix}.idx is not a megatron-core index file")
+        raise ValueError(f"{field_name}: {prefix}.idx is not a megatron-core index file "
+                         f"({idx_size} bytes, no MMIDIDX header): {fix}")
+    version, = struct.unpack("<Q", head[9:17])
     code = head[17]
+    try:
+        itemsize = DType.size(code)
+    except (ValueError, KeyError):
+        itemsize = 0
+    if version != 1 or itemsize == 0:
+        raise ValueError(f"{field_name}: {prefix}.idx has an unknown version ({version}) or token "
+                         f"dtype code ({code}): it is corrupt or from another tool; {fix}")
     num_seqs, num_docs = struct.unpack("<QQ", head[18:34])
-    return num_seqs, num_docs - 1, DType.size(code)
+    want = 34 + 12 * num_seqs + 8 * num_docs  # int32 lengths, int64 pointers, int64 doc indices
+    if idx_size not in (want, want + num_seqs):  # (+ int8 modes: multimodal)
+        raise ValueError(f"{field_name}: {prefix}.idx has {idx_size} bytes but its header ("
+                         f"{num_seqs} sequences, {num_docs} document indices) needs {want}: the "
+                         f"file is truncated or corrupt; {fix}")
+    want_bin = 0
+    if num_seqs:
+        with open(prefix + ".idx", "rb") as f:
+            f.seek(34 + 4 * (num_seqs - 1))
+            last_len, = struct.unpack("<i", f.read(4))
+            f.seek(34 + 4 * num_seqs + 8 * (num_seqs - 1))
+            last_ptr, = struct.unpack("<q", f.read(8))
+            f.seek(34 + 12 * num_seqs + 8 * (num_docs - 1))
+            last_doc, = struct.unpack("<q", f.read(8))
+        if last_len < 0 or last_ptr < 0 or last_doc != num_seqs:
+            raise ValueError(f"{field_name}: {prefix}.idx is corrupt (its last sequence or "
+                             f"document entry is out of range): {fix}")
+        want_bin = last_ptr + last_len * itemsize
+    bin_size = os.path.getsize(prefix + ".bin")
+    if bin_size != want_bin:
+        raise ValueError(f"{field_name}: {prefix}.bin has {bin_size} bytes but {prefix}.idx "
+                         f"describes {want_bin}: the .bin is truncated or the two files come "
+                         f"from different builds; {fix}")
+    return num_seqs, num_docs - 1, itemsize
+
+
+def _check_token_ids(prefix: str, itemsize: int, vocab_size: int, field_name: str,
+                     tokenizer_path: str) -> None:
+    """The first and last million token ids of ``prefix.bin`` must be < ``vocab_size``; else the
+    data came from another tokenizer (or the .bin is corrupt)."""
+    import numpy
+
+    dtype = {1: numpy.uint8, 2: numpy.uint16, 4: numpy.int32}.get(itemsize, numpy.int64)
+    num_tokens = os.path.getsize(prefix + ".bin") // itemsize
+    n = min(num_tokens, 1 << 20)
+    with open(prefix + ".bin", "rb") as f:
+        head = numpy.fromfile(f, dtype=dtype, count=n)
+        f.seek((num_tokens - n) * itemsize)
+        tail = numpy.fromfile(f, dtype=dtype, count=n)
+    for part in (head, tail):
+        if part.size and (int(part.max()) >= vocab_size or int(part.min()) < 0):
+            bad = int(part.max()) if int(part.max()) >= vocab_size else int(part.min())
+            raise ValueError(
+                f"{field_name}: {prefix}.bin holds token id {bad} but the tokenizer "
+                f"({tokenizer_path}) has only {vocab_size}: the data was made with another "
+                f"tokenizer, or the .bin is corrupt; {_pair_fix(field_name, prefix)}"
+            )
 
 
 def _existing_prefix(cfg: DataConfig) -> PreparedData:
     """``data.data_prefix``: its sidecar PREFIX.json (written by megatron-moe-prepare-data) or
     the tokenizer named in the config tells the vocabulary."""
-    import numpy
-
     prefix = cfg.data_prefix
     num_seqs, num_docs, itemsize = _read_idx_header(prefix, "data.data_prefix")
     sidecar = Path(prefix + ".json")
@@ -846,15 +915,10 @@ def _existing_prefix(cfg: DataConfig) -> PreparedData:
             "data.vocab_file and data.merges_file to the tokenizer the data was made with"
         )
     num_tokens = os.path.getsize(prefix + ".bin") // itemsize
-    # The first million token ids must fit the tokenizer, else the data came from another one.
-    dtype = {2: numpy.uint16, 4: numpy.int32}.get(itemsize, numpy.int64)
-    head = numpy.fromfile(prefix + ".bin", dtype=dtype, count=min(num_tokens, 1 << 20))
-    if head.size and int(head.max()) >= prepared.vocab_size:
-        raise ValueError(
-            f"data.data_prefix: {prefix}.bin holds token id {int(head.max())} but the tokenizer "
-            f"({prepared.tokenizer_path}) has only {prepared.vocab_size}: the data was made with "
-            "another tokenizer"
-        )
+    # The first and last million token ids must fit the tokenizer, else the data came from
+    # another one.
+    _check_token_ids(prefix, itemsize, prepared.vocab_size, "data.data_prefix",
+                     prepared.tokenizer_path)
     return dataclasses.replace(prepared, num_tokens=num_tokens, num_documents=num_docs,
                                num_sequences=num_seqs)
 
@@ -968,7 +1032,10 @@ def build_datasets(data_cfg: DataConfig, prepared: PreparedData, *, seq_length: 
     ):
         raise ValueError(f"num_samples={num_samples!r} must be three counts (train, valid, test)")
     field_name = "data.data_prefix" if data_cfg.data_prefix is not None else "prepared data"
-    num_seqs, _, _ = _read_idx_header(prepared.prefix, field_name)
+    num_seqs, _, itemsize = _read_idx_header(prepared.prefix, field_name)
+    if field_name != "data.data_prefix":  # a data_prefix was checked by prepare_data already
+        _check_token_ids(prepared.prefix, itemsize, prepared.vocab_size, field_name,
+                         prepared.tokenizer_path)
     for name, (lo, hi) in zip(("train", "valid", "test"),
                               _split_bookends(split_weights(data_cfg.split))):
         if hi > lo and int(round(hi * num_seqs)) <= int(round(lo * num_seqs)):

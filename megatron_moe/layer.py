@@ -13,8 +13,14 @@ all-to-all (megatron_moe/dispatch.py). The router is replicated on every rank.
 
 Under torch.autocast the expert compute runs in the autocast dtype (bf16 on GPUs) while the
 router stays in fp32.
+
+Input check (opt-in, it costs a host synchronisation per forward): ``MEGATRON_MOE_CHECK_FINITE=1``
+in the environment (read once, at import) or ``DroplessMoE.check_finite = True`` makes forward
+raise ``ValueError`` when x holds NaN/Inf, before routing spreads them to other tokens' experts.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
@@ -25,7 +31,14 @@ from .experts import Experts, SharedExpert
 from .router import TopKRouter
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class DroplessMoE(nn.Module):
+    check_finite: bool = os.environ.get("MEGATRON_MOE_CHECK_FINITE", "0") not in ("", "0")
+    """Raise on NaN/Inf in the input (one host sync per forward); off unless the environment
+    variable MEGATRON_MOE_CHECK_FINITE=1 was set at import. Settable per class or instance."""
+
     def __init__(self, cfg: MoEConfig, ep_group=None, dispatcher: Dispatcher | None = None):
         super().__init__()
         if not isinstance(cfg, MoEConfig):
@@ -56,12 +69,24 @@ class DroplessMoE(nn.Module):
                              f"or [seq, batch, {H}] (hidden_size={H})")
         if not x.is_floating_point():
             raise ValueError(f"DroplessMoE input x has dtype {x.dtype}: expected a floating-point tensor")
+        if self.check_finite:
+            bad = int((~torch.isfinite(x)).sum())
+            if bad:
+                raise ValueError(
+                    f"DroplessMoE input x has {bad} non-finite values (NaN/Inf) of {x.numel()} "
+                    f"(shape {tuple(x.shape)}): they come from the input or an earlier layer; "
+                    "check the learning rate, the data and the layers before this one "
+                    "(MEGATRON_MOE_CHECK_FINITE=1 turned this check on)")
         x_TH = x.reshape(-1, H)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dtype = torch.get_autocast_dtype(dev)
         else:
             dtype = x.dtype
+        if self.cfg.mlp_impl in ("grouped", "blocksparse") and dtype not in KERNEL_DTYPES:
+            raise ValueError(f"DroplessMoE input x has dtype {dtype}: mlp_impl={self.cfg.mlp_impl!r} "
+                             "runs float32, bfloat16 or float16; cast the input, or use "
+                             "mlp_impl='reference' for other dtypes")
         with torch.autocast(dev, enabled=False):
             r = self.router(x_TH)
             self.load_balancing_loss, self.z_loss = r.aux_loss, r.z_loss

@@ -102,9 +102,20 @@ class TrainConfig:
     exit_interval: int | None = None
     """Stop (after saving a checkpoint) at the first step divisible by this; null = run to
     train_iters. ``--resume`` continues from there, e.g. within a Slurm time limit."""
+    max_consecutive_nonfinite: int = 5
+    """A step whose LM loss or gradient norm is NaN/Inf is skipped: no optimizer update (the
+    weights and optimizer state stay as they were), while its data, the step count and the
+    learning-rate schedule advance; ``skipped_steps`` counts them. The run stops with an
+    error after this many such steps in a row (1 = at the first one)."""
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms; on GPUs also
+    CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring): identical losses for identical seeds on the
+    same hardware and software, possibly slower. An op without a deterministic implementation
+    stops the run with an error naming it."""
 
     def __post_init__(self) -> None:
-        for f in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"):
+        for f in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                  "max_consecutive_nonfinite"):
             v = getattr(self, f)
             if not _is_int(v) or v < 1:
                 _fail(f"train.{f}", v, "expected an int >= 1")
@@ -135,8 +146,9 @@ class TrainConfig:
                 _fail(f"train.{f}", v, "expected a number in [0, 1)")
         if not _is_num(self.adam_eps) or self.adam_eps <= 0:
             _fail("train.adam_eps", self.adam_eps, "expected a number > 0")
-        if not isinstance(self.bf16, bool):
-            _fail("train.bf16", self.bf16, "expected true or false")
+        for f in ("bf16", "deterministic"):
+            if not isinstance(getattr(self, f), bool):
+                _fail(f"train.{f}", getattr(self, f), "expected true or false")
         if self.lr_warmup_iters > self.decay_iters:
             _fail("train.lr_warmup_iters", self.lr_warmup_iters,
                   f"expected <= the decay length ({self.decay_iters}: train.lr_decay_iters, "

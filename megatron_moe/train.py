@@ -26,6 +26,25 @@ The run directory ``logging.runs_dir/name`` holds config.yaml, metrics.jsonl, wa
 checkpoints/ (see megatron_moe/checkpoint.py and megatron_moe/metrics.py). A fresh start in a
 run directory that has checkpoints is refused (pass --resume or another name=...); --resume
 with no checkpoint starts from scratch. MEGATRON_MOE_DEBUG=1 shows tracebacks of input errors.
+
+Non-finite steps: the step's LM loss (summed over ranks) and global gradient norm are read
+on the host before the optimizer step (the one host synchronisation of a step; the loss is
+logged anyway). If either is NaN/Inf the update is skipped: no optimizer step and no
+expert-bias update, so weights and optimizer state stay as they were; the step still counts
+(its data is consumed and the learning-rate schedule, a function of the step, moves on, as
+Megatron-LM counts a skipped iteration; unlike Megatron-LM's scheduler, ours does not hold
+back). ``skipped_steps`` (cumulative) goes to metrics.jsonl and the run stops with a
+TrainError after ``train.max_consecutive_nonfinite`` such steps in a row. Both counters are
+saved in checkpoints, so a resumed run counts on exactly.
+
+``train.deterministic: true`` turns on torch.use_deterministic_algorithms (plus
+CUBLAS_WORKSPACE_CONFIG=:4096:8 and NCCL_ALGO=Ring unless set; cuDNN deterministic, no
+benchmarking): identical losses for identical seeds on the same hardware.
+
+Fault injection (tests only, tests/test_faults.py): ``MEGATRON_MOE_FAULT_NONFINITE=3,4:inf``
+multiplies the LM loss of the first micro-batch of steps 3 and 4 (1-based) by NaN (default)
+or Inf before the backward, so loss and gradients are poisoned as by a real divergence;
+see also MEGATRON_MOE_FAULT_SAVE_SLEEP in megatron_moe/checkpoint.py.
 """
 from __future__ import annotations
 
@@ -239,6 +258,30 @@ def _count_params(model_cfg) -> dict | None:
         return None
 
 
+def set_deterministic(on: bool = True) -> None:
+    """Deterministic algorithms only (``train.deterministic``); call before CUDA/NCCL start.
+
+    The environment variables are read when cuBLAS / NCCL initialise, so they are set only
+    if the user has not chosen otherwise."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")  # a fixed reduction order
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def _fault_steps() -> dict[int, float]:
+    """MEGATRON_MOE_FAULT_NONFINITE (tests only): '3,4:inf' -> {3: nan, 4: inf}."""
+    spec = os.environ.get("MEGATRON_MOE_FAULT_NONFINITE", "").strip()
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        at, _, kind = item.partition(":")
+        out[int(at)] = float(kind or "nan")
+    return out
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -246,7 +289,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     """Train per ``cfg``; with ``resume`` continue from run_dir/checkpoints/latest (if any).
 
     Returns the final metrics: step, consumed_samples, lm_loss, val_loss, losses (the LM loss
-    of every step run by this call), steps, run_dir, checkpoint, wall_time_s.
+    of every step run by this call; NaN where a step was skipped), steps, skipped_steps (in
+    the whole run), run_dir, checkpoint, wall_time_s.
     """
     t_start = time.time()
     tc = cfg.train
@@ -277,6 +321,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             raise TrainError(str(e)) from None
         step, consumed = int(meta["step"]), int(meta["consumed_samples"])
 
+    set_deterministic(tc.deterministic)  # before CUDA / NCCL initialise
     di = setup_distributed()
     rank, device = di.rank, di.device
     if resume and ckpt is None:
@@ -289,6 +334,12 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     logger = MetricsLogger(cfg, run_dir, enabled=rank == 0, resume_step=step)
     try:
         return _train(cfg, di, logger, num_micro, ckpt if resume else None, step, consumed, t_start)
+    except RuntimeError as e:
+        logger.close(exit_code=1)
+        if tc.deterministic and "deterministic" in str(e) and not isinstance(e, TrainError):
+            raise TrainError(f"train.deterministic=true: {str(e).splitlines()[0]} Set "
+                             "train.deterministic=false to run this model here") from None
+        raise
     except BaseException:
         logger.close(exit_code=1)
         raise
@@ -356,7 +407,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     counts = _count_params(mc)
     _print0(rank, f"run {cfg.name}: {run_dir} | {world} x {device.type}"
             f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}"
-            f" | {'bf16 autocast' if use_bf16 else 'fp32'} | micro {tc.micro_batch_size} x dp {world}"
+            f" | {'bf16 autocast' if use_bf16 else 'fp32'}"
+            f"{' | deterministic' if tc.deterministic else ''} | micro {tc.micro_batch_size} x dp {world}"
             f" x {num_micro} accumulation = global {tc.global_batch_size} | {len(layers)} MoE layers"
             + (f" | params total {counts['total'] / 1e6:.1f}M, active/token "
                f"{counts['active'] / 1e6:.1f}M" if counts else ""))
@@ -369,11 +421,15 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     sampler = MicroBatchSampler(consumed, n_train, tc.micro_batch_size, rank, world)
     data_iter = iter(_loader(train_ds, sampler, device, tc.seed))
 
+    skipped = consecutive = 0  # non-finite steps: in all, and in a row up to now
+    faults = _fault_steps()
     if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
         try:
             meta = load_checkpoint(ckpt, model, optimizer, map_location=device, groups=groups)
         except CheckpointError as e:
             raise TrainError(str(e)) from None
+        skipped = int(meta.get("skipped_steps", 0))
+        consecutive = int(meta.get("consecutive_nonfinite", 0))
         if meta.get("world_size") != world:
             _print0(rank, f"note: checkpoint written by {meta.get('world_size')} ranks, resuming on "
                     f"{world}: same data order, new RNG streams where ranks were added")
@@ -401,9 +457,11 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
             z_sum = torch.zeros((), device=device)
             dropped = torch.zeros(n_layers, device=device)
             tpe = None
-            for _ in range(num_micro):
+            for micro in range(num_micro):
                 batch = _to(next(data_iter), device)
                 lm = _forward_loss(model, batch, amp)
+                if micro == 0 and step + 1 in faults:  # test hook: a diverged step
+                    lm = lm * faults[step + 1]
                 (lm / num_micro).backward()
                 lm_sum += lm.detach()
                 for i, layer in enumerate(layers):
@@ -418,27 +476,32 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                     tpe = cur if tpe is None else tpe + cur
             reducer.reduce()
             grad_norm = clip_grad_norm(params, tc.clip_grad, groups)
-            optimizer.step()
-            update_expert_biases(model)
-            step += 1
-            consumed += tc.global_batch_size
-
             packed = torch.cat([torch.stack([lm_sum, aux_sum, z_sum]), dropped]
                                + ([tpe.reshape(-1)] if tpe is not None else []))
             if world > 1:
                 dist.all_reduce(packed)
-            packed = packed.cpu()  # syncs: the step's work is done
-            step_time = time.perf_counter() - t0
+            # grad_norm is global already (same on every rank): appended after the reduction.
+            packed = torch.cat([packed, grad_norm.reshape(1).to(packed)]).cpu()  # the one sync
             denom = num_micro * world
             lm_loss = float(packed[0]) / denom
-            if not math.isfinite(lm_loss):
-                raise TrainError(f"lm_loss is {lm_loss} at step {step}: the run diverged; lower "
-                                 "train.lr, raise train.lr_warmup_iters or check the data")
+            gnorm = float(packed[-1])
+            finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
+            if finite:
+                optimizer.step()
+                update_expert_biases(model)
+                consecutive = 0
+            else:  # skip the update; the step, its data and the schedule still count
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                consecutive += 1
+            step += 1
+            consumed += tc.global_batch_size
+            step_time = time.perf_counter() - t0
             m = {"consumed_samples": consumed, "tokens": consumed * mc.seq_length,
                  "lm_loss": lm_loss,
                  "aux_loss": float(packed[1]) / denom if n_layers else None,  # null: dense
                  "z_loss": float(packed[2]) / denom if n_layers else None,
-                 "lr": lr, "grad_norm": float(grad_norm),
+                 "lr": lr, "grad_norm": gnorm, "skipped_steps": skipped,
                  "tokens_per_s": tokens_per_step / step_time,
                  "tflops_per_gpu": None, "mfu": None, "step_time_s": step_time,
                  "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9
@@ -448,7 +511,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                 if peak:
                     m["mfu"] = m["tflops_per_gpu"] / peak
             if tpe is not None:
-                m.update(expert_load_stats(packed[3 + n_layers:].reshape(n_layers, -1), layer_names))
+                m.update(expert_load_stats(packed[3 + n_layers:-1].reshape(n_layers, -1), layer_names))
             if capacity and n_layers:
                 per_layer = packed[3:3 + n_layers] / denom
                 m["dropped_fraction"] = float(per_layer.mean())
@@ -467,11 +530,26 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
             bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{m['tokens_per_s']:,.0f}")
             if step % tc.log_interval == 0 or step == tc.train_iters or "val_loss" in m:
                 _print0(rank, format_line(step, tc.train_iters, m), bar=bar)
+            if not finite:
+                _print0(rank, f"step {step}: non-finite lm_loss {lm_loss} / grad_norm {gnorm}: "
+                        f"update skipped ({consecutive} in a row, the run stops at "
+                        f"train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}; "
+                        f"{skipped} skipped in all)", bar=bar)
+                if consecutive >= tc.max_consecutive_nonfinite:
+                    last = latest_checkpoint(run_dir)
+                    raise TrainError(
+                        f"{consecutive} steps in a row ({step - consecutive + 1}..{step}) had a "
+                        f"non-finite LM loss or gradient norm (last: lm_loss {lm_loss}, grad_norm "
+                        f"{gnorm}), train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}: "
+                        "the run diverged and stops. Lower train.lr, raise train.lr_warmup_iters "
+                        "or check the data, then --resume from the last checkpoint ("
+                        f"{last.name if last is not None else 'none yet: start again'})")
 
             stop = tc.exit_interval is not None and step % tc.exit_interval == 0
             if (tc.save_interval and step % tc.save_interval == 0) or step == tc.train_iters or stop:
                 path = save_checkpoint(run_dir, step, model, optimizer, {
                     "consumed_samples": consumed,
+                    "skipped_steps": skipped, "consecutive_nonfinite": consecutive,
                     "scheduler": {"lr": tc.lr, "min_lr": tc.min_lr, "warmup": tc.lr_warmup_iters,
                                   "decay_iters": tc.decay_iters, "last_lr": lr},
                     "config": cfg.to_dict()}, groups=groups)
@@ -490,6 +568,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
         logger.close(exit_code)
 
     result = {"step": step, "consumed_samples": consumed, "losses": losses, "steps": steps,
+              "skipped_steps": skipped,
               "lm_loss": losses[-1] if losses else None, "val_loss": last_val,
               "run_dir": str(run_dir), "checkpoint": str(last_saved) if last_saved else None,
               "wall_time_s": time.time() - t_start}

@@ -230,8 +230,14 @@ def test_fresh_run_refuses_a_run_dir_with_checkpoints(straight, workdir):
 
 
 def test_global_batch_must_divide(monkeypatch, tmp_path):
+    # the data-parallel size comes from WORLD_SIZE before torch.distributed is initialised (an
+    # earlier test may have initialised a world of one in this process: hide it); one step at
+    # most should the check ever be missed
+    import megatron_moe.train as train_mod
+
+    monkeypatch.setattr(train_mod.dist, "is_initialized", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "3")
-    cfg = load_config(TINY, [f"logging.runs_dir={tmp_path}"])
+    cfg = load_config(TINY, [f"logging.runs_dir={tmp_path}", "train.exit_interval=1", "logging.wandb=false"])
     with pytest.raises(TrainError, match=r"train\.global_batch_size=16 is not divisible by "
                                          r"train\.micro_batch_size \(8\) x data-parallel size \(3\)"):
         train(cfg)
