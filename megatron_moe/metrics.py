@@ -4,7 +4,7 @@ Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metric
 (flushed at once) and the same keys to W&B::
 
     step, consumed_samples, lm_loss, aux_loss, z_loss, lr, grad_norm, tokens_per_s,
-    tflops_per_gpu, mfu, step_time_s, peak_mem_gb,
+    tflops_per_gpu, mfu, step_time_s, peak_mem_gb, skipped_steps,
     expert_load/layerN/min_share, expert_load/layerN/max_share, expert_load/layerN/cv,
     dropped_fraction, dropped_fraction/layerN      (capacity models only)
     val_loss, val_ppl                              (evaluation steps only)

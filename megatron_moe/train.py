@@ -9,9 +9,10 @@
 
 One process on the CPU (gloo, fp32) or one per GPU under torchrun (NCCL, device LOCAL_RANK,
 bf16 autocast over fp32 parameters). Data parallelism is done here, not by DDP: after the
-micro-batches of a step are accumulated, gradients are all-reduced in flattened buckets and
-averaged, dense parameters and expert parameters (``expert_parallel = True``) as separate
-groups so that expert parallelism can reduce the latter over its own group.
+micro-batches of a step are accumulated, megatron_moe/parallel.py's GradReducer all-reduces the
+gradients in flattened buckets, dense parameters over all ranks and expert parameters
+(``expert_parallel = True``) over the ranks holding the same experts
+(``model.moe.expert_parallel_size``; see parallel.py for the scaling).
 
 Each step: ``global_batch_size / (micro_batch_size * data_parallel_size)`` micro-batches
 (LM loss scaled by 1/num_micro, aux loss too via ``set_aux_loss_scale``), bucketed
