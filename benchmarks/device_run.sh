@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
-#   bash benchmarks/device_run.sh [tests] [bench] [train] [quick]
+#   bash benchmarks/device_run.sh [tests] [faults] [bench] [train] [quick]
 # The machine has torch/triton/sentencepiece; megatron-core travels as a wheel in .whl/.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -23,6 +23,12 @@ if [[ $stages == *" tests "* ]]; then
     tests/test_layer.py tests/test_grouped.py tests/test_blocksparse.py tests/test_metadata.py tests/test_model.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
+fi
+if [[ $stages == *" faults "* ]]; then
+  # tests/test_faults.py on the GPU: its training runs use CUDA there, plus its GPU-only cases
+  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/test_faults.py \
+    2>&1 | tee "$OUT/gpu_faults.log" | tail -n 25
+  summary+=("gpu faults: $(tail -n 1 "$OUT/gpu_faults.log")")
 fi
 if [[ $stages == *" bench "* ]]; then
   if [[ $stages == *" quick "* ]]; then extra="--warmup-ms 25 --rep-ms 100"; else extra=""; fi

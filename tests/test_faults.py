@@ -39,7 +39,6 @@ import signal
 import struct
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -114,19 +113,10 @@ def _latest(run_dir: Path) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def workdir(tmp_path_factory, small_corpus) -> Path:
     """A small corpus (stdlib sources, ~150 KB) and the directories the runs share."""
     root = tmp_path_factory.mktemp("faults")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    total = 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text = f.read_text(encoding="utf-8", errors="ignore")
-        if 2_000 < len(text) < 40_000:
-            (corpus / f.name).write_text(text)
-            total += len(text)
-        if total > 150_000:
-            break
+    small_corpus(root / "corpus", total_chars=150_000, max_file_chars=40_000)
     return root
 
 

@@ -15,7 +15,6 @@ import math
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -67,19 +66,10 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def workdir(tmp_path_factory, small_corpus) -> Path:
     """A small corpus (stdlib sources, ~300 KB) and the directories the runs share."""
     root = tmp_path_factory.mktemp("train")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    total = 0
-    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        text = f.read_text(encoding="utf-8", errors="ignore")
-        if 2_000 < len(text) < 60_000:
-            (corpus / f.name).write_text(text)
-            total += len(text)
-        if total > 300_000:
-            break
+    small_corpus(root / "corpus", total_chars=300_000, max_file_chars=60_000)
     return root
 
 
