@@ -33,7 +33,7 @@ class ParallelGroups:
     edp_size: int
 
 
-_GROUPS: dict[int, ParallelGroups] = {}
+_GROUPS: dict[tuple, ParallelGroups] = {}  # (P, the default process group) -> groups
 
 
 def validate_parallel_sizes(world_size: int, expert_parallel_size: int, num_experts: int | None) -> None:
@@ -49,9 +49,11 @@ def validate_parallel_sizes(world_size: int, expert_parallel_size: int, num_expe
 
 
 def init_parallel_groups(expert_parallel_size: int = 1, num_experts: int | None = None) -> ParallelGroups:
-    """Create (once per size) the EP and EDP groups. Every rank must call it, in the same order."""
-    if expert_parallel_size in _GROUPS:
-        return _GROUPS[expert_parallel_size]
+    """Create (once per size and world) the EP and EDP groups. Every rank must call it, in the
+    same order."""
+    key = (expert_parallel_size, id(dist.group.WORLD) if dist.is_initialized() else None)
+    if key in _GROUPS:
+        return _GROUPS[key]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     validate_parallel_sizes(world, expert_parallel_size, num_experts)
@@ -68,19 +70,12 @@ def init_parallel_groups(expert_parallel_size: int = 1, num_experts: int | None 
             if rank % P == j:
                 edp_group = g
     groups = ParallelGroups(world, rank, P, rank % P, ep_group, edp_group, world // P)
-    _GROUPS[P] = groups
+    _GROUPS[key] = groups
     return groups
 
 
 def is_expert_param(p: torch.nn.Parameter) -> bool:
     return bool(getattr(p, "expert_parallel", False))
-
-
-def current_groups() -> ParallelGroups:
-    """The groups made by the last ``init_parallel_groups`` (no expert parallelism if none)."""
-    if _GROUPS:
-        return _GROUPS[next(reversed(_GROUPS))]
-    return init_parallel_groups(1)
 
 
 BUCKET_NUMEL = 2 ** 25  # elements per all-reduce bucket (128 MiB of fp32 grads)
