@@ -107,6 +107,9 @@ class TrainConfig:
     weights and optimizer state stay as they were), while its data, the step count and the
     learning-rate schedule advance; ``skipped_steps`` counts them. The run stops with an
     error after this many such steps in a row (1 = at the first one)."""
+    save_final: bool = True
+    """Save a checkpoint at the last step (false for throwaway runs such as the reproduction's,
+    whose final checkpoints would only cost time and disk; exit_interval stops still save)."""
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms; on GPUs also
     CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring): identical losses for identical seeds on the
@@ -146,7 +149,7 @@ class TrainConfig:
                 _fail(f"train.{f}", v, "expected a number in [0, 1)")
         if not _is_num(self.adam_eps) or self.adam_eps <= 0:
             _fail("train.adam_eps", self.adam_eps, "expected a number > 0")
-        for f in ("bf16", "deterministic"):
+        for f in ("bf16", "deterministic", "save_final"):
             if not isinstance(getattr(self, f), bool):
                 _fail(f"train.{f}", getattr(self, f), "expected true or false")
         if self.lr_warmup_iters > self.decay_iters:

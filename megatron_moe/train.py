@@ -547,7 +547,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                         f"{last.name if last is not None else 'none yet: start again'})")
 
             stop = tc.exit_interval is not None and step % tc.exit_interval == 0
-            if (tc.save_interval and step % tc.save_interval == 0) or step == tc.train_iters or stop:
+            if ((tc.save_interval and step % tc.save_interval == 0) or stop
+                    or (step == tc.train_iters and tc.save_final)):
                 path = save_checkpoint(run_dir, step, model, optimizer, {
                     "consumed_samples": consumed,
                     "skipped_steps": skipped, "consecutive_nonfinite": consecutive,

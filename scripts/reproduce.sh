@@ -23,8 +23,9 @@
 #   RUNS         subset of run names (default: all 5); RUNS_DIR (default runs/repro-SIZE)
 #   RESULTS      default benchmarks/results/repro-SIZE: micro_batch/*.json, logs/*.log,
 #                runs/NAME/{metrics.jsonl,config.yaml} (committed), table.md/json, plots/
-#   KEEP_CHECKPOINTS=1 keeps RUNS_DIR/NAME/checkpoints (default: deleted after a run: a
-#                dmoe-small checkpoint is ~44 GB); FORCE=1 reruns runs already done
+#   KEEP_CHECKPOINTS=1 saves each run's final checkpoint in RUNS_DIR/NAME/checkpoints
+#                (default: none is written, train.save_final=false: a dmoe-small checkpoint is
+#                ~44 GB); FORCE=1 reruns runs already done
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -115,7 +116,8 @@ env_name() { local n="${1^^}"; n="${n//-/_}"; echo "MICRO_BATCH_${n//./_}"; }
 
 COMMON=("logging.runs_dir=$RUNS_DIR" "logging.wandb_group=$GROUP" "train.train_iters=$STEPS"
         "train.lr_warmup_iters=$WARMUP" "train.lr_decay_iters=null" "train.eval_interval=$EVAL_INTERVAL"
-        "train.eval_iters=$EVAL_ITERS" "train.save_interval=0" "train.log_interval=5" "train.exit_interval=null")
+        "train.eval_iters=$EVAL_ITERS" "train.save_interval=0" "train.save_final=$([[ ${KEEP_CHECKPOINTS:-0} == 1 ]] && echo true || echo false)" "train.log_interval=5"
+        "train.exit_interval=null")
 [[ "$DRY_RUN" == 1 ]] || mkdir -p "$RESULTS/micro_batch" "$RESULTS/logs" "$RESULTS/runs" "$RUNS_DIR"
 if [[ "$DRY_RUN" != 1 ]] && command -v nvidia-smi >/dev/null; then
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -175,7 +177,6 @@ for r in "${SELECTED[@]}"; do
         echo "reproduce.sh: training $NAME failed (log: $RESULTS/logs/$NAME.log)" >&2; exit 1; }
     mkdir -p "$RESULTS/runs/$NAME"
     cp "$RUNS_DIR/$NAME/metrics.jsonl" "$RUNS_DIR/$NAME/config.yaml" "$RESULTS/runs/$NAME/"
-    [[ "${KEEP_CHECKPOINTS:-0}" == 1 ]] || rm -rf "${RUNS_DIR:?}/$NAME/checkpoints"
     touch "$RUNS_DIR/$NAME/.repro-done"
 done
 

@@ -503,3 +503,12 @@ def test_expert_parallel_size_must_divide_world(workdir):
                            "train.exit_interval=1"), nproc=2, check=False, OMP_NUM_THREADS="1")
     assert proc.returncode != 0
     assert "expert_parallel_size=4 does not divide the world size 2" in proc.stdout + proc.stderr
+
+
+def test_save_final_false_writes_no_checkpoint(workdir):
+    run = _run(_overrides(workdir, "nosave", "logging.wandb=false", "train.train_iters=2",
+                          "train.lr_warmup_iters=1", "train.save_interval=0", "train.save_final=false",
+                          "train.eval_interval=0"))
+    run_dir = workdir / "runs" / "nosave"
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
+    assert latest_checkpoint(run_dir) is None and "saved checkpoint" not in run.stdout
