@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .router import count_ids
+
 
 class Dispatcher:
     """Interface. ``dispatch`` returns (rows, local expert ids [R, k], weights [R, k], ctx) for the
@@ -97,7 +99,7 @@ class AllToAllDispatcher(Dispatcher):
         P, El = self.num_ranks, self.num_local_experts
         ids_N = expert_ids_TK.reshape(-1)
         dest_N = torch.div(ids_N, El, rounding_mode="floor")
-        send_counts_P = torch.bincount(dest_N, minlength=P)
+        send_counts_P = count_ids(dest_N, P)
         recv_counts_P = torch.empty_like(send_counts_P)
         work = dist.all_to_all_single(recv_counts_P, send_counts_P, group=self.group, async_op=True)
         # overlaps the count exchange: the local permutation by destination rank

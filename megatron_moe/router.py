@@ -21,6 +21,13 @@ class RouterOutput:
     z_loss: torch.Tensor  # fp32 scalar: z-loss (already times its coefficient)
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How many times each of 0..n-1 occurs in ``ids`` (int64 [n]). A scatter-add rather than
+    torch.bincount, which reads the maximum back to the host on CUDA."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch/GShard loss E * sum_e f_e * P_e: f_e = share of the T*K assignments routed to e
     (no gradient), P_e = mean router probability of e. Equals 1 when perfectly balanced."""
@@ -64,7 +71,7 @@ class TopKRouter(nn.Module):
         weights_TK = torch.gather(scores_TE, 1, expert_ids_TK)
         if cfg.normalize_top_k:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        tokens_per_expert_E = torch.bincount(expert_ids_TK.reshape(-1), minlength=cfg.num_experts)
+        tokens_per_expert_E = count_ids(expert_ids_TK, cfg.num_experts)
         zero = logits_TE.new_zeros(())
         aux = cfg.aux_loss_coeff * load_balancing_loss(probs_TE, tokens_per_expert_E, cfg.top_k) \
             if cfg.aux_loss_coeff > 0 else zero

@@ -310,3 +310,27 @@ def test_bad_input_shape_and_dtype():
         layer(torch.randn(4, 31))
     with pytest.raises(ValueError, match="floating-point"):
         layer(torch.ones(4, 32, dtype=torch.long))
+
+
+def test_count_ids_matches_a_loop():
+    from megatron_moe.router import count_ids
+
+    ids = torch.randint(0, 7, (50, 3))
+    counts = count_ids(ids, 9)
+    assert counts.tolist() == [int((ids == e).sum()) for e in range(9)]
+    assert count_ids(torch.zeros(0, 2, dtype=torch.long), 4).tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["grouped", "blocksparse"])
+def test_layer_forward_backward_without_host_sync(impl):
+    """The whole layer (router, metadata, experts, combine), not just the expert op."""
+    layer = DroplessMoE(cfg_(mlp_impl=impl, block_size=128, top_k=2, num_experts=8)).cuda()
+    x = torch.randn(300, 32, device="cuda", requires_grad=True)
+    (layer(x).sum() + layer.aux_loss).backward()  # compile / autotune first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (layer(x).sum() + layer.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
