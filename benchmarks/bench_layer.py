@@ -7,7 +7,7 @@
 Providers:
   dense            a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
   torch_grouped_mm sort -> torch._grouped_mm -> gelu -> torch._grouped_mm -> unsort (same router)
-  blocksparse, grouped, capacity (capacity_factor 1): DroplessMoE with that mlp_impl
+  blocksparse, grouped, grouped_mm, capacity (capacity_factor 1): DroplessMoE with that mlp_impl
 
 Every MoE provider runs the whole layer (router, metadata, experts, combine). TFLOP/s counts
 useful expert FLOPs only, 12 * tokens * top_k * hidden * ffn (three GEMMs of 2*T*K*H*F each for
@@ -31,7 +31,7 @@ CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k)
     "fine-64e-top8": (8192, 2048, 1024, 64, 8),
     "mixtral-ish": (8192, 4096, 14336, 8, 2),
 }
-PROVIDERS = ["dense", "torch_grouped_mm", "blocksparse", "grouped", "capacity"]
+PROVIDERS = ["dense", "torch_grouped_mm", "blocksparse", "grouped", "grouped_mm", "capacity"]
 
 
 class DenseMLP(torch.nn.Module):

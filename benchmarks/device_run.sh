@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
-#   bash benchmarks/device_run.sh [tests] [faults] [bench] [train] [quick]
+#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [quick]
 # The machine has torch/triton/sentencepiece; megatron-core travels as a wheel in .whl/.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -29,6 +29,10 @@ if [[ $stages == *" faults "* ]]; then
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/test_faults.py \
     2>&1 | tee "$OUT/gpu_faults.log" | tail -n 25
   summary+=("gpu faults: $(tail -n 1 "$OUT/gpu_faults.log")")
+fi
+if [[ $stages == *" profile "* ]]; then
+  # per-kernel GPU time, host-bound check, tile sweep per grouped GEMM (benchmarks/profile_layer.py)
+  python3 benchmarks/profile_layer.py ${PROFILE_ARGS:-} --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -n 60
 fi
 if [[ $stages == *" bench "* ]]; then
   if [[ $stages == *" quick "* ]]; then extra="--warmup-ms 25 --rep-ms 100"; else extra=""; fi

@@ -5,10 +5,11 @@ Rows are grouped by expert: sorted position s belongs to expert e when
 equal S). Two kernels, each with a launcher and a plain-PyTorch reference:
 
 * :func:`grouped_gemm` (row-grouped):  out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[e])
-  Epilogues: none; 'gelu' / 'swiglu' (writes the pre-activation and the activation);
-  'dgelu' / 'dswiglu' (backward: the GEMM result is g = dL/d(act); writes dL/d(pre) scaled by
-  scale(s), recomputes act from the saved pre-activation (written times scale(s)), and reduces
-  Σ_n g·act per row, the gradient of the router weight). See :func:`grouped_gemm_dact`.
+  Epilogues: none; 'gelu' / 'swiglu' (writes the pre-activation and the activation, the latter
+  optionally times act_scale(s)); 'dgelu' / 'dswiglu' (backward: the GEMM result is
+  g = dL/d(act); reads the saved pre-activation, writes dL/d(pre) scaled by scale(s), in place
+  over the pre-activation if asked, and reduces Σ_n g·act per row, the gradient of the router
+  weight, recomputing act). See :func:`grouped_gemm_dact`.
 * :func:`grouped_wgrad`: dw[e] = Σ_{s in e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0).
 
 The row-grouped kernel launches over an upper bound of M tiles (``max_row_blocks``, about
@@ -50,41 +51,55 @@ def _single_config() -> bool:
 
 def _gemm_configs() -> list[triton.Config]:
     if interpret_mode():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
-        (64, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-        (128, 128, 64, 8, 3),
-        (128, 128, 32, 4, 4),
-        (64, 256, 32, 8, 3),
-        (128, 256, 64, 8, 3),
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PREFETCH": 0}, num_warps=4,
+                              num_stages=1)]
+    # H100 sweep (benchmarks/profile_layer.py, notes in benchmarks/NOTES.md): 128x256x64 with 8 warps
+    # and 4 stages leads the plain and gelu epilogues; the backward epilogues want <= 128x128
+    # (register pressure), some with the pre-activation loaded before the main loop.
+    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH
+        (64, 64, 64, 4, 4, 0),
+        (64, 128, 64, 4, 4, 0),
+        (128, 64, 64, 4, 4, 0),
+        (128, 128, 64, 8, 3, 0),
+        (128, 128, 64, 8, 4, 0),
+        (128, 256, 64, 8, 3, 0),
+        (128, 256, 64, 8, 4, 0),
+        (128, 256, 32, 8, 4, 0),
+        (64, 128, 64, 4, 4, 1),
+        (128, 128, 64, 8, 3, 1),
+        (128, 128, 64, 8, 4, 1),
     ]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for m, n, k, w, s in (shapes[:1] if _single_config() else shapes)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PREFETCH": pf}, num_warps=w, num_stages=s)
+            for m, n, k, w, s, pf in (shapes[:1] if _single_config() else shapes)]
 
 
 def _wgrad_configs() -> list[triton.Config]:
     if interpret_mode():
         return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
+    # few rows per expert make the reduction short: fewer stages let two programs share an SM
     shapes = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
         (64, 64, 64, 4, 4),
-        (128, 64, 32, 4, 4),
-        (64, 128, 32, 4, 4),
-        (128, 128, 32, 8, 3),
         (128, 128, 64, 8, 3),
-        (128, 256, 32, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 4, 3),
+        (128, 128, 64, 4, 2),
+        (128, 256, 64, 8, 3),
+        (64, 128, 64, 4, 3),
+        (128, 64, 64, 4, 3),
     ]
     return [triton.Config({"BLOCK_K": k, "BLOCK_N": n, "BLOCK_S": s}, num_warps=w, num_stages=st)
             for k, n, s, w, st in (shapes[:1] if _single_config() else shapes)]
 
 
 def _prune_gemm_configs(configs, named_args, **kwargs):
-    """swiglu keeps two accumulators: drop the tiles that would spill registers."""
+    """PREFETCH only means something to the backward epilogues; swiglu (two accumulators) and
+    the backward epilogues (pre-activation tiles beside the accumulator) drop the tiles that
+    would spill registers."""
     epilogue = kwargs.get("EPILOGUE", named_args.get("EPILOGUE"))
-    if epilogue != "swiglu":
-        return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
+    backward = epilogue in ("dgelu", "dswiglu")
+    kept = [c for c in configs if backward or not c.kwargs.get("PREFETCH", 0)]
+    if epilogue == "swiglu" or backward:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128]
     return kept or configs[:1]
 
 
@@ -99,10 +114,29 @@ _DACT_SLOT = min(c.kwargs["BLOCK_N"] for c in _gemm_configs())
 
 
 @triton.jit
-def _gelu_and_grad(h):
+def _tanh(x, FAST: tl.constexpr):
+    """tanh of fp32 x; FAST: the hardware's tanh.approx.f32 (one instruction, relative error about
+    2^-11: used when the outputs are 16-bit, never under the interpreter)."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    if FAST:
+        return 0.5 + 0.5 * _tanh(0.5 * x, FAST)
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
+def _gelu_and_grad(h, FAST: tl.constexpr = False):
     """GELU (tanh approximation) of h and its derivative."""
     u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-    t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u)
+    t = _tanh(u, FAST)
     act = 0.5 * h * (1.0 + t)
     grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
     return act, grad
@@ -120,11 +154,13 @@ def _grouped_gemm_kernel(
     # pointers
     a_ptr,  # [M, K] any strides, read through gather_ptr
     w_ptr,  # [E, K, N] any strides (swiglu: [E, K, 2N], gate half first)
-    out_ptr,  # [S, N]: result / pre-activation (swiglu: [S, 2N]) / dL/d(pre) (dswiglu: [S, 2N])
-    act_ptr,  # [S, N]: activation (gelu, swiglu); scale(s) * activation (dgelu, dswiglu)
+    out_ptr,  # [S, N]: result / pre-activation (swiglu: [S, 2N]) / dL/d(pre) (dswiglu: [S, 2N]);
+    #           the backward epilogues may write it over pre_ptr (same rows and strides)
+    act_ptr,  # [S, N]: activation (gelu, swiglu), times act_scale(s) when HAS_ACT_SCALE
     pre_ptr,  # [S, N] (dswiglu: [S, 2N]): saved pre-activation, read by dgelu / dswiglu
     dscale_ptr,  # fp32 [S, num_slots]: partial Σ_n g·act of dgelu / dswiglu
     scale_ptr,  # fp32 [S] per sorted position
+    act_scale_ptr,  # fp32 [S] per sorted position (gelu / swiglu: multiplies the activation only)
     gather_ptr,  # int [S]: row of a read by sorted position s
     scatter_ptr,  # int [S]: row of out / act / pre / dscale written by sorted position s
     offsets_ptr,  # int32 [E+1]: expert segments of the sorted positions
@@ -137,10 +173,13 @@ def _grouped_gemm_kernel(
     # meta-parameters
     EPILOGUE: tl.constexpr,  # "none", "gelu", "swiglu", "dgelu" or "dswiglu"
     HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_ACT_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
     DOT_F32: tl.constexpr,  # upcast the tl.dot operands (interpreter: its 16-bit dot is wrong)
+    FAST_MATH: tl.constexpr,  # hardware tanh in the activation epilogues (16-bit outputs on a GPU)
     BLOCK_E: tl.constexpr, SLOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,  # backward epilogues: load the pre-activation before the main loop
 ):
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -166,8 +205,20 @@ def _grouped_gemm_kernel(
         rows_a = tl.load(gather_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
     else:
         rows_a = offs_s.to(tl.int64)
+    if HAS_SCATTER:
+        rows_o = tl.load(scatter_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+    else:
+        rows_o = offs_s.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    mask_o = mask_s[:, None] & mask_n[None, :]
+    BACKWARD: tl.constexpr = EPILOGUE == "dgelu" or EPILOGUE == "dswiglu"
+    if BACKWARD:
+        pre_ptrs = pre_ptr + rows_o[:, None] * stride_prem + offs_n[None, :]
+        if PREFETCH:  # in flight during the main loop
+            h = tl.load(pre_ptrs, mask=mask_o, other=0.0)
+            if EPILOGUE == "dswiglu":
+                h_up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0)
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -192,59 +243,52 @@ def _grouped_gemm_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     # Epilogue
-    if HAS_SCATTER:
-        rows_o = tl.load(scatter_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
-    else:
-        rows_o = offs_s.to(tl.int64)
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
-    mask_o = mask_s[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + rows_o[:, None] * stride_om + offs_n[None, :]
-    act_ptrs = act_ptr + rows_o[:, None] * stride_actm + offs_n[None, :]
     out_ty = out_ptr.dtype.element_ty
-    act_ty = act_ptr.dtype.element_ty
 
-    if EPILOGUE == "none" or EPILOGUE == "gelu" or EPILOGUE == "swiglu":
+    if not BACKWARD:
         if HAS_SCALE:
             acc = acc * scale
             if EPILOGUE == "swiglu":
                 acc_up = acc_up * scale
         pre = acc.to(out_ty)
         tl.store(out_ptrs, pre, mask=mask_o)
-        if EPILOGUE == "gelu":
+        if EPILOGUE == "gelu" or EPILOGUE == "swiglu":
             # activation of the stored (rounded) pre-activation: the backward recomputes the same
-            act, _ = _gelu_and_grad(pre.to(tl.float32))
-            tl.store(act_ptrs, act.to(act_ty), mask=mask_o)
-        if EPILOGUE == "swiglu":
-            up = acc_up.to(out_ty)
-            tl.store(out_ptrs + N, up, mask=mask_o)
-            gate = pre.to(tl.float32)
-            act = gate * tl.sigmoid(gate) * up.to(tl.float32)
-            tl.store(act_ptrs, act.to(act_ty), mask=mask_o)
+            if EPILOGUE == "gelu":
+                act, _ = _gelu_and_grad(pre.to(tl.float32), FAST_MATH)
+            else:
+                up = acc_up.to(out_ty)
+                tl.store(out_ptrs + N, up, mask=mask_o)
+                gate = pre.to(tl.float32)
+                act = gate * _sigmoid(gate, FAST_MATH) * up.to(tl.float32)
+            if HAS_ACT_SCALE:
+                act = act * tl.load(act_scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
+            act_ptrs = act_ptr + rows_o[:, None] * stride_actm + offs_n[None, :]
+            tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask_o)
     else:
         # acc = g = dL/d(act) (without the scale); pre rows sit at the output rows.
-        pre_ptrs = pre_ptr + rows_o[:, None] * stride_prem + offs_n[None, :]
+        if not PREFETCH:
+            h = tl.load(pre_ptrs, mask=mask_o, other=0.0)
+            if EPILOGUE == "dswiglu":
+                h_up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0)
         if HAS_SCALE:
             g_scaled = acc * scale
         else:
             g_scaled = acc
         if EPILOGUE == "dgelu":
-            h = tl.load(pre_ptrs, mask=mask_o, other=0.0).to(tl.float32)
-            act, dact = _gelu_and_grad(h)
+            act, dact = _gelu_and_grad(h.to(tl.float32), FAST_MATH)
             tl.store(out_ptrs, (g_scaled * dact).to(out_ty), mask=mask_o)
         else:  # dswiglu
-            gate = tl.load(pre_ptrs, mask=mask_o, other=0.0).to(tl.float32)
-            up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
+            gate = h.to(tl.float32)
+            up = h_up.to(tl.float32)
+            sig = _sigmoid(gate, FAST_MATH)
             silu = gate * sig
             act = silu * up
-            d_gate = g_scaled * up * sig * (1.0 + gate * (1.0 - sig))
-            tl.store(out_ptrs, d_gate.to(out_ty), mask=mask_o)
+            tl.store(out_ptrs, (g_scaled * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask_o)
             tl.store(out_ptrs + N, (g_scaled * silu).to(out_ty), mask=mask_o)
-        if HAS_SCALE:  # the w2 weight gradient then needs no scale in its main loop
-            tl.store(act_ptrs, (act * scale).to(act_ty), mask=mask_o)
-        else:
-            tl.store(act_ptrs, act.to(act_ty), mask=mask_o)
         # Σ_n g·act of this tile goes to slot pid_n * (BLOCK_N // SLOT); the tile's other slots get
         # 0, so whatever BLOCK_N the autotuner picks, every slot is written exactly once.
         row_sum = tl.sum(acc * act, axis=1)
@@ -340,9 +384,9 @@ def _check_index(name: str, idx, S: int, device) -> None:
         raise ValueError(f"{name} is on {idx.device}, expected {device}")
 
 
-def _check_scale(scale_S, S: int) -> None:
+def _check_scale(scale_S, S: int, name: str = "scale_S") -> None:
     if scale_S is not None and (scale_S.dim() != 1 or scale_S.shape[0] != S or scale_S.dtype != torch.float32):
-        raise ValueError(f"scale_S must be a float32 vector of the {S} sorted positions, "
+        raise ValueError(f"{name} must be a float32 vector of the {S} sorted positions, "
                          f"got {tuple(scale_S.shape)} {scale_S.dtype}")
 
 
@@ -360,7 +404,7 @@ def _dot_args(dtype: torch.dtype) -> dict:
             "DOT_F32": interpret_mode() and dtype != torch.float32}
 
 
-def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S) -> int:
+def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S=None) -> int:
     if a_MK.dim() != 2 or w_EKN.dim() != 3:
         raise ValueError(f"expected a [M, K] and w [E, K, N], got {tuple(a_MK.shape)} and {tuple(w_EKN.shape)}")
     if a_MK.shape[1] != w_EKN.shape[1]:
@@ -372,10 +416,12 @@ def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S) -> int:
     _check_index("gather_S", gather_S, S, a_MK.device)
     _check_index("scatter_S", scatter_S, S, a_MK.device)
     _check_scale(scale_S, S)
+    _check_scale(act_scale_S, S, "act_scale_S")
     return S
 
 
-def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue, gather_S, scatter_S, scale_S):
+def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue, gather_S, scatter_S, scale_S,
+                 act_scale_S=None):
     S, E, K = out.shape[0], w_EKN.shape[0], a_MK.shape[1]
     dummy = offsets_E1
     num_slots = dscale.shape[1] if dscale is not None else 0
@@ -386,6 +432,7 @@ def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue,
     _grouped_gemm_kernel[grid](
         a_MK, w_EKN, out, act if act is not None else out, pre if pre is not None else out,
         dscale if dscale is not None else dummy, scale_S if scale_S is not None else dummy,
+        act_scale_S if act_scale_S is not None else dummy,
         gather_S if gather_S is not None else dummy, scatter_S if scatter_S is not None else dummy,
         offsets_E1,
         K, N, E, num_slots,
@@ -393,18 +440,21 @@ def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue,
         w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
         out.stride(0), act.stride(0) if act is not None else 0, pre.stride(0) if pre is not None else 0,
         EPILOGUE=epilogue, HAS_GATHER=gather_S is not None, HAS_SCATTER=scatter_S is not None,
-        HAS_SCALE=scale_S is not None, BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT,
+        HAS_SCALE=scale_S is not None, HAS_ACT_SCALE=act_scale_S is not None,
+        FAST_MATH=out.dtype != torch.float32 and not interpret_mode(), BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT,
         **_dot_args(a_MK.dtype),
     )
 
 
 def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
-                        activation=None, out_dtype=None, out=None, act_out=None):
+                        activation=None, act_scale_S=None, out_dtype=None, out=None, act_out=None):
     """Triton launcher of :func:`grouped_gemm` (same arguments; ``out``/``act_out`` may be given
     preallocated, contiguous rows)."""
-    S = _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S)
+    S = _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S)
     if activation not in EPILOGUES:
         raise ValueError(f"activation={activation!r}: expected one of {EPILOGUES}")
+    if act_scale_S is not None and activation is None:
+        raise ValueError("act_scale_S scales the activation: pass activation='gelu' or 'swiglu'")
     E, K, Nw = w_EKN.shape
     if activation == "swiglu" and Nw % 2:
         raise ValueError(f"swiglu needs an even number of w columns [gate | up], got {Nw}")
@@ -425,30 +475,34 @@ def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=Non
                 act_out.zero_()
         else:
             _launch_gemm(a_MK, w_EKN, offsets_E1, out, act_out, None, None, N=N, epilogue=activation or "none",
-                         gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S)
+                         gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S, act_scale_S=act_scale_S)
     return out if activation is None else (out, act_out)
 
 
-def grouped_gemm_dact_triton(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None):
+def grouped_gemm_dact_triton(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
+                             inplace=False):
     """Triton launcher of :func:`grouped_gemm_dact`."""
+    S, X = _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S)
+    N, K = w_EKN.shape[2], w_EKN.shape[1]
+    dev = a_MK.device
+    dpre_SX = pre_SX if inplace else torch.empty_like(pre_SX)
+    if S == 0 or N == 0 or K == 0:  # g = 0
+        return dpre_SX.zero_(), torch.zeros(S, device=dev)
+    dscale_part = torch.empty(S, cdiv(N, _DACT_SLOT), device=dev, dtype=torch.float32)
+    _launch_gemm(a_MK, w_EKN, offsets_E1, dpre_SX, None, pre_SX, dscale_part, N=N, epilogue="d" + activation,
+                 gather_S=gather_S, scatter_S=None, scale_S=scale_S)
+    return dpre_SX, dscale_part.sum(1)
+
+
+def _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S) -> tuple[int, int]:
     S = _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, None, scale_S)
     if activation not in ("gelu", "swiglu"):
         raise ValueError(f"activation={activation!r}: expected 'gelu' or 'swiglu'")
-    E, K, N = w_EKN.shape
+    N = w_EKN.shape[2]
     X = 2 * N if activation == "swiglu" else N
     if pre_SX.shape != (S, X) or pre_SX.stride(1) != 1:
         raise ValueError(f"pre_SX must be [{S}, {X}] with contiguous rows, got {tuple(pre_SX.shape)}")
-    dev, dt = a_MK.device, pre_SX.dtype
-    if S == 0 or N == 0 or K == 0:  # g = 0 (no host sync: the reference's elementwise part only)
-        _, act_SN, _ = _dact_elementwise(torch.zeros(S, N, device=dev), pre_SX, activation)
-        act_SN = act_SN if scale_S is None else act_SN * scale_S[:, None]
-        return torch.zeros_like(pre_SX), act_SN.to(dt), torch.zeros(S, device=dev)
-    dpre_SX = torch.empty(S, X, device=dev, dtype=dt)
-    act_SN = torch.empty(S, N, device=dev, dtype=dt)
-    dscale_part = torch.empty(S, cdiv(N, _DACT_SLOT), device=dev, dtype=torch.float32)
-    _launch_gemm(a_MK, w_EKN, offsets_E1, dpre_SX, act_SN, pre_SX, dscale_part, N=N, epilogue="d" + activation,
-                 gather_S=gather_S, scatter_S=None, scale_S=scale_S)
-    return dpre_SX, act_SN, dscale_part.sum(1)
+    return S, X
 
 
 def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
@@ -534,8 +588,8 @@ def _scatter_rows(x_SN, scatter_S):
 
 
 def grouped_gemm_reference(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
-                           activation=None, out_dtype=None):
-    _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S)
+                           activation=None, act_scale_S=None, out_dtype=None):
+    _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S)
     out_dtype = out_dtype or a_MK.dtype
     acc = _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S)
     if scale_S is not None:
@@ -550,18 +604,19 @@ def grouped_gemm_reference(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=
         act = F_.silu(gate) * up
     else:
         raise ValueError(f"activation={activation!r}: expected one of {EPILOGUES}")
+    if act_scale_S is not None:
+        act = act * act_scale_S[:, None]
     return _scatter_rows(pre, scatter_S), _scatter_rows(act.to(out_dtype), scatter_S)
 
 
-def grouped_gemm_dact_reference(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None):
-    _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, None, scale_S)
-    if activation not in ("gelu", "swiglu"):
-        raise ValueError(f"activation={activation!r}: expected 'gelu' or 'swiglu'")
+def grouped_gemm_dact_reference(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
+                                inplace=False):
+    _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S)
     g = _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S)
     g_scaled = g if scale_S is None else g * scale_S[:, None]
-    dpre, act, dscale = _dact_elementwise(g, pre_SX, activation, g_scaled)
-    act = act if scale_S is None else act * scale_S[:, None]
-    return dpre.to(pre_SX.dtype), act.to(pre_SX.dtype), dscale
+    dpre, _, dscale = _dact_elementwise(g, pre_SX, activation, g_scaled)
+    dpre = dpre.to(pre_SX.dtype)
+    return (pre_SX.copy_(dpre) if inplace else dpre), dscale
 
 
 def _dact_elementwise(g, pre_SX, activation, g_scaled=None):
@@ -599,7 +654,7 @@ def grouped_wgrad_reference(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b
 
 
 def grouped_gemm(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
-                 activation=None, out_dtype=None):
+                 activation=None, act_scale_S=None, out_dtype=None):
     """Row-grouped GEMM: for sorted position s of expert e,
     ``out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[e])``.
 
@@ -608,26 +663,29 @@ def grouped_gemm(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scal
     a permutation of [0, S)); scale_S: fp32 [S]; offsets_E1: int32 [E+1] with offsets_E1[-1] = S.
     Accumulates in fp32. Returns, in ``out_dtype`` (default a's):
       activation None:     out [S, N]
-      activation 'gelu':   (pre [S, N], gelu_tanh(pre) [S, N])
-      activation 'swiglu': (pre [S, N] = [gate | up], silu(gate) * up [S, N/2])
+      activation 'gelu':   (pre [S, N], act_scale(s) * gelu_tanh(pre) [S, N])
+      activation 'swiglu': (pre [S, N] = [gate | up], act_scale(s) * silu(gate) * up [S, N/2])
+    act_scale_S (fp32 [S], default 1) multiplies the activation only, after it is computed from
+    the rounded pre-activation.
     """
     fn = grouped_gemm_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_reference
     return fn(a_MK, w_EKN, offsets_E1, gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S,
-              activation=activation, out_dtype=out_dtype)
+              activation=activation, act_scale_S=act_scale_S, out_dtype=out_dtype)
 
 
-def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None):
+def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
+                      inplace=False):
     """Backward of the activation fused into the GEMM that produces its output gradient.
 
     With g[s] = a[gather(s)] @ w[e] (= dL/d act, e.g. dy[t] @ w2[e]ᵀ) and the saved
     pre-activation pre_SX (gelu: [S, N]; swiglu: [S, 2N] = [gate | up]), returns
       dpre_SX [S, X]: scale(s) * g * act'(pre)  (swiglu: [d_gate | d_up]), in pre's dtype,
-      act_SN  [S, N]: scale(s) * act(pre), recomputed: the input of the w2 weight gradient
-              (dw2[e] = Σ act_SN[s]ᵀ dy[t(s)] then needs no scale), in pre's dtype,
-      dscale_S fp32 [S]: Σ_n g·act, i.e. dL/d scale(s) when the forward multiplied by scale(s).
+              written over pre_SX when ``inplace`` (pre is then gone: the caller owns it),
+      dscale_S fp32 [S]: Σ_n g·act(pre), i.e. dL/d scale(s) when the forward multiplied the
+              expert output by scale(s) (act recomputed from pre, not read).
     """
     fn = grouped_gemm_dact_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_dact_reference
-    return fn(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S)
+    return fn(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S, inplace=inplace)
 
 
 def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None, out_dtype=None):

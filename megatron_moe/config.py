@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-MLP_IMPLS = ("blocksparse", "grouped", "capacity", "reference")
+MLP_IMPLS = ("blocksparse", "grouped", "grouped_mm", "capacity", "reference")
 ACTIVATIONS = ("gelu", "swiglu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -27,9 +27,10 @@ class MoEConfig:
     activation: str = "gelu"
     """'gelu' (tanh approximation, as in the paper) or 'swiglu' (silu(gate) * up)."""
     mlp_impl: str = "grouped"
-    """Expert compute: 'blocksparse' (the paper's SDD/DSD), 'grouped' (grouped GEMM with the
-    gather/scatter fused), 'capacity' (Tutel/GShard capacity-factor, drops tokens) or
-    'reference' (plain PyTorch loop over experts)."""
+    """Expert compute: 'blocksparse' (the paper's SDD/DSD), 'grouped' (our Triton grouped GEMM
+    with the gather/scatter fused), 'grouped_mm' (the same math on torch._grouped_mm, CUTLASS:
+    faster for large experts, bf16 on CUDA), 'capacity' (Tutel/GShard capacity-factor, drops
+    tokens) or 'reference' (plain PyTorch loop over experts)."""
     block_size: int = 128
     """Block size of the block-sparse path: each expert's token bin is padded to it."""
     capacity_factor: float = 1.0

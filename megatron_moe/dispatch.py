@@ -52,6 +52,45 @@ class LocalDispatcher(Dispatcher):
         return y_TH
 
 
+class ExchangeTimer:
+    """GPU time of the token exchanges (forward and backward, all layers), from CUDA events around
+    each all_to_all_single: no host synchronisation; read after the step's own sync with
+    :func:`exchange_time_ms`. The time includes waiting for the slowest rank of the group."""
+
+    _pairs: list = []
+
+    @classmethod
+    def start(cls, device):
+        if device.type != "cuda":
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    @classmethod
+    def stop(cls, start) -> None:
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            cls._pairs.append((start, end))
+
+
+def exchange_time_ms() -> float | None:
+    """Milliseconds spent in the token exchanges since the last call (None: no exchange ran).
+    Call after a host synchronisation that follows them (e.g. the training step's loss read)."""
+    pairs, ExchangeTimer._pairs = ExchangeTimer._pairs, []
+    if not pairs:
+        return None
+    pairs[-1][1].synchronize()
+    return sum(a.elapsed_time(b) for a, b in pairs)
+
+
+def _timed_all_to_all(out, inp, out_splits, in_splits, group):
+    ev = ExchangeTimer.start(inp.device)
+    dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    ExchangeTimer.stop(ev)
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with variable splits; its backward is the reverse exchange."""
 
@@ -59,14 +98,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _timed_all_to_all(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        _timed_all_to_all(grad_in, grad.contiguous(), in_splits, out_splits, ctx.group)
         return grad_in, None, None, None
 
 
@@ -110,7 +149,7 @@ class AllToAllDispatcher(Dispatcher):
         send_splits, recv_splits = torch.stack([send_counts_P, recv_counts_P]).tolist()  # the host sync
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
         ids_recv = local_ids_send.new_empty(sum(recv_splits))
-        dist.all_to_all_single(ids_recv, local_ids_send, recv_splits, send_splits, group=self.group)
+        _timed_all_to_all(ids_recv, local_ids_send, recv_splits, send_splits, self.group)
         ones_R1 = torch.ones(ids_recv.shape[0], 1, device=x_TH.device, dtype=torch.float32)
         ctx = _A2AContext(order_N, send_splits, recv_splits, weights_TK, T, K)
         return x_recv, ids_recv[:, None], ones_R1, ctx

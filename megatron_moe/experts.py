@@ -110,6 +110,10 @@ class Experts(nn.Module):
             from .ops.grouped_mlp import grouped_mlp
 
             return grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
+        if impl == "grouped_mm":
+            from .ops.grouped_mm_mlp import grouped_mm_mlp
+
+            return grouped_mm_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
         from .ops.blocksparse_mlp import blocksparse_mlp
 
         return blocksparse_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None

@@ -97,6 +97,7 @@ def format_line(step: int, total: int, m: dict) -> str:
     add("tflops_per_gpu", ".3g", "TFLOP/s/gpu")
     add("mfu", ".1%", "MFU")
     add("step_time_s", ".3f", "s/step")
+    add("a2a_ms", ".1f", "a2a ms")
     add("peak_mem_gb", ".1f", "mem GB")
     add("dropped_fraction", ".3f", "dropped")
     return " | ".join(parts)

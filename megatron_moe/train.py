@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint,
                          verify_checkpoint)
+from .dispatch import exchange_time_ms
 from .metrics import MetricsLogger, expert_load_stats, format_line
 from .parallel import GradReducer, clip_grad_norm, init_parallel_groups
 from .run_config import ConfigError, RunConfig, load_config
@@ -507,6 +508,10 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                  "tflops_per_gpu": None, "mfu": None, "step_time_s": step_time,
                  "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 1e9
                                  if device.type == "cuda" else None)}
+            a2a_ms = exchange_time_ms()
+            if a2a_ms is not None:  # expert parallelism: GPU time in the token all-to-alls
+                m["a2a_ms"] = a2a_ms
+                m["a2a_fraction"] = a2a_ms / 1e3 / step_time
             if fpt is not None:
                 m["tflops_per_gpu"] = fpt * tokens_per_step / step_time / world / 1e12
                 if peak:

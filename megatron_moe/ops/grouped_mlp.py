@@ -3,17 +3,20 @@
     y_TH = grouped_mlp(x_TH, w1_EHF, w2_EFH, weights_TK, routing, "swiglu")
 
 Forward (s = sorted position, a(s) = t*K + k its assignment, t(s) its token, e its expert):
-  1. pre_NF, act = grouped_gemm(x[t(s)] @ w1[e])             gather fused, activation in the epilogue
-  2. y_NH[a(s)]  = weight(s) * (act[s] @ w2[e])              router weight in the epilogue, scatter
-                                                              into assignment order
+  1. pre_NF, wact_NF = grouped_gemm(x[t(s)] @ w1[e])         gather fused, activation in the
+                       epilogue, written times the router weight: wact = weight(s)·act(pre)
+  2. y_NH[a(s)]  = wact[s] @ w2[e]                             scatter into assignment order
   3. y_TH = y_NH (K = 1) or y_NH.view(T, K, H).sum(1)        deterministic, no atomics
-Backward (saves x, w1, w2, pre_NF, the sorted router weights and the routing indices):
-  4. g = dy[t(s)] @ w2[e]ᵀ fused with the activation backward: dpre = weight·g·act'(pre),
-     wact = weight·act(pre) recomputed, d weight(s) = Σ_f g·act  (one kernel, grouped_gemm_dact)
+Backward (saves x, w1, w2, pre_NF, wact_NF, the sorted router weights and the routing indices:
+pre and wact are what an unfused MLP saves too, h and act(h)):
+  4. g = dy[t(s)] @ w2[e]ᵀ fused with the activation backward: dpre = weight·g·act'(pre) written
+     over pre_NF (its last use), d weight(s) = Σ_f g·act(pre)     (one kernel, grouped_gemm_dact)
   5. dw2[e] = Σ_s wact[s]ᵀ · dy[t(s)]                          (grouped_wgrad, gather on b)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
   7. dx_NH[a(s)] = dpre[s] @ w1[e]ᵀ, then the sum over K        (grouped_gemm, scatter)
-On the CPU without the Triton interpreter the same Function runs the plain-PyTorch references.
+Step 4 overwrites a saved tensor, so the backward runs once per forward (retain_graph=True
+followed by a second backward raises a clear error). On the CPU without the Triton interpreter
+the same Function runs the plain-PyTorch references.
 
 Legend: T tokens, K top_k, N = T*K assignments (in sorted order unless the name says otherwise),
 H hidden, F ffn (w1 and pre hold 2F columns for swiglu: gate half first), E experts.
@@ -34,34 +37,40 @@ class GroupedMLP(torch.autograd.Function):
         T, H = x_TH.shape
         N = T * top_k
         weight_N = weights_TK.reshape(-1)[sort_order_N.long()].float()  # router weight per sorted position
-        pre_NF, act_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation)
-        y_NH = grouped_gemm(act_NF, w2_EFH, offsets_E1, scale_S=weight_N, scatter_S=sort_order_N)
-        del act_NF  # recomputed from pre_NF in the backward
+        pre_NF, wact_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation,
+                                       act_scale_S=weight_N)
+        y_NH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
         y_TH = y_NH if top_k == 1 else y_NH.view(T, top_k, H).sum(1)
-        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, weight_N, sort_order_N, token_N, offsets_E1)
+        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, token_N, offsets_E1)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
         ctx.num_assignments = N
+        ctx.pre_consumed = False
         return y_TH
 
     @staticmethod
     def backward(ctx, dy_TH):
-        x_TH, w1_EHF, w2_EFH, pre_NF, weight_N, sort_order_N, token_N, offsets_E1 = ctx.saved_tensors
+        if ctx.pre_consumed:
+            raise RuntimeError("grouped_mlp: a second backward through the same forward is not supported "
+                               "(the first one overwrote the saved pre-activation to save memory); "
+                               "run the forward again, or use mlp_impl='blocksparse'")
+        x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, token_N, offsets_E1 = ctx.saved_tensors
         need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
         T, H = x_TH.shape
         K, N = ctx.top_k, ctx.num_assignments
         dx = dw1 = dw2 = dweights = None
         dy_TH = dy_TH.to(x_TH.dtype)
 
-        # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue.
-        dpre_NF, wact_NF, dweight_N = grouped_gemm_dact(dy_TH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF,
-                                                       ctx.activation, gather_S=token_N, scale_S=weight_N)
+        # 5. first: it reads only forward tensors
+        if need_w2:
+            dw2 = grouped_wgrad(wact_NF, dy_TH, offsets_E1, gather_b_S=token_N, out_dtype=w2_EFH.dtype)
+        # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
+        ctx.pre_consumed = True
+        dpre_NF, dweight_N = grouped_gemm_dact(dy_TH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF, ctx.activation,
+                                               gather_S=token_N, scale_S=weight_N, inplace=True)
         if need_weights:
             dweights = torch.empty(N, device=dweight_N.device, dtype=torch.float32)
             dweights.index_copy_(0, sort_order_N.long(), dweight_N)
             dweights = dweights.view(T, K).to(ctx.weights_dtype)
-        if need_w2:  # 5.
-            dw2 = grouped_wgrad(wact_NF, dy_TH, offsets_E1, gather_b_S=token_N, out_dtype=w2_EFH.dtype)
-        del wact_NF
         if need_w1:  # 6.
             dw1 = grouped_wgrad(x_TH, dpre_NF, offsets_E1, gather_a_S=token_N, out_dtype=w1_EHF.dtype)
         if need_x:  # 7.

@@ -1,0 +1,300 @@
+"""Where the layer's time goes: per-kernel GPU time, host-bound check, and a tile sweep per GEMM.
+
+    python benchmarks/profile_layer.py                          # profile + sweep, all configs
+    python benchmarks/profile_layer.py --configs paper-moe-m --no-sweep
+    python benchmarks/profile_layer.py --out benchmarks/results/profile.json
+
+Three views (the layer benchmark's configs and providers):
+  1. profile: one step's kernels from torch.profiler (GPU time per kernel name, summed), the GPU
+     busy time per step against the wall time per step (wall >> busy: the host is the limit);
+  2. gemms: the six grouped GEMMs of the grouped MLP timed one by one (autotuned), with
+     torch._grouped_mm and one dense torch.mm of the same FLOPs beside them;
+  3. sweep: each grouped GEMM with every tile config of an extended list, one at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_layer import CONFIGS, build  # noqa: E402
+
+
+def _bench(fn, warmup=25, rep=100):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def profile_provider(provider, shape, device, steps=5):
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens, hidden = shape[0], shape[1]
+    torch.manual_seed(0)
+    model = build(provider, *shape, device)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    params = list(model.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        model(x).backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    # host wall time per step, steps queued back to back
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / 20 * 1e3
+    # host time to enqueue one step (no sync inside the step when this is << wall)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    enqueue_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    # host side: self CPU time per op (what the enqueue time is made of)
+    with profile(activities=[ProfilerActivity.CPU]) as cprof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    host = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in cprof.key_averages()),
+                  key=lambda r: -r[1])[:18]
+    per_kernel = collections.defaultdict(float)
+    counts = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name] += ev.device_time_total / steps / 1e3  # ms per step
+            counts[ev.name] += 1
+    busy_ms = sum(per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]
+    del model, x, dy, params
+    torch.cuda.empty_cache()
+    return dict(provider=provider, wall_ms=wall_ms, enqueue_ms=enqueue_ms, gpu_busy_ms=busy_ms,
+                launches_per_step=sum(counts.values()) / steps,
+                host=[(name[:70], round(ms, 4), n) for name, ms, n in host],
+                top=[(name[:90], round(ms, 4), counts[name] // steps) for name, ms in top])
+
+
+def gemm_problems(shape, device):
+    """The six grouped GEMMs of the gelu grouped MLP with a router-like random routing."""
+    from megatron_moe.kernels.metadata import routing_metadata
+
+    T, H, F, E, K = shape
+    torch.manual_seed(0)
+    logits = torch.randn(T, E, device=device)
+    ids_TK = torch.topk(logits, K, dim=-1).indices
+    r = routing_metadata(ids_TK, E, 128)
+    off = r.expert_offsets_E1
+    tok = r.sorted_token_N
+    order = r.sort_order_N
+    S = T * K
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device=device, dtype=bf)
+    dy = torch.randn(T, H, device=device, dtype=bf)
+    w1 = torch.randn(E, H, F, device=device, dtype=bf) * 0.02
+    w2 = torch.randn(E, F, H, device=device, dtype=bf) * 0.02
+    act = torch.randn(S, F, device=device, dtype=bf)
+    pre = torch.randn(S, F, device=device, dtype=bf)
+    scale = torch.rand(S, device=device)
+    return dict(T=T, H=H, F=F, E=E, K=K, S=S, off=off, tok=tok, order=order, x=x, dy=dy, w1=w1, w2=w2,
+                act=act, pre=pre, scale=scale)
+
+
+def gemm_calls(p):
+    from megatron_moe.kernels import grouped as G
+
+    return {
+        "fwd1 x[t]@w1 +gelu*w": lambda: G.grouped_gemm(p["x"], p["w1"], p["off"], gather_S=p["tok"],
+                                                       activation="gelu", act_scale_S=p["scale"]),
+        "fwd2 wact@w2 ->scatter": lambda: G.grouped_gemm(p["act"], p["w2"], p["off"], scatter_S=p["order"]),
+        "bwd dy[t]@w2T +dgelu": lambda: G.grouped_gemm_dact(p["dy"], p["w2"].transpose(1, 2), p["off"], p["pre"],
+                                                             "gelu", gather_S=p["tok"], scale_S=p["scale"]),
+        "wgrad dw2 actT@dy[t]": lambda: G.grouped_wgrad(p["act"], p["dy"], p["off"], gather_b_S=p["tok"]),
+        "wgrad dw1 x[t]T@dpre": lambda: G.grouped_wgrad(p["x"], p["pre"], p["off"], gather_a_S=p["tok"]),
+        "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
+                                                       scatter_S=p["order"]),
+    }
+
+
+def gemm_rows(shape, device):
+    p = gemm_problems(shape, device)
+    flops = 2 * p["S"] * p["H"] * p["F"]
+    rows = []
+    for name, fn in gemm_calls(p).items():
+        fn()
+        ms = _bench(fn)
+        rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9))
+    a = p["x"][p["tok"].long()].contiguous()
+    offs = p["off"][1:].contiguous()
+    ms = _bench(lambda: torch._grouped_mm(a, p["w1"], offs=offs))
+    rows.append(dict(gemm="torch._grouped_mm x@w1 (pre-sorted)", ms=ms, tflops=flops / ms / 1e9))
+    ad = torch.randn(p["S"], p["H"], device=device, dtype=torch.bfloat16)
+    wd = torch.randn(p["H"], p["F"], device=device, dtype=torch.bfloat16)
+    ms = _bench(lambda: ad @ wd)
+    rows.append(dict(gemm="dense torch.mm [S,H]@[H,F]", ms=ms, tflops=flops / ms / 1e9))
+    return rows, p
+
+
+SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH
+    (64, 64, 64, 4, 4, 0), (64, 128, 64, 4, 4, 0), (128, 64, 64, 4, 4, 0), (128, 128, 64, 8, 3, 0),
+    (128, 128, 64, 8, 4, 0), (128, 256, 64, 8, 3, 0), (128, 256, 64, 8, 4, 0), (128, 256, 32, 8, 4, 0),
+    (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1), (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1),
+    (64, 256, 64, 4, 3, 0), (128, 128, 64, 4, 3, 0),
+]
+SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
+    (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 2),
+    (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 2), (128, 256, 64, 8, 2),
+    (64, 128, 64, 4, 2), (128, 128, 32, 4, 3),
+]
+
+
+def sweep(p, device, only=None):
+    import triton
+
+    from megatron_moe.kernels import grouped as G
+
+    flops = 2 * p["S"] * p["H"] * p["F"]
+    calls = gemm_calls(p)
+    out = []
+    for kern, space, names in ((G._grouped_gemm_kernel, SWEEP_GEMM, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH")),
+                               (G._grouped_wgrad_kernel, SWEEP_WGRAD, ("BLOCK_K", "BLOCK_N", "BLOCK_S"))):
+        saved = kern.configs
+        for name, fn in calls.items():
+            if (kern is G._grouped_wgrad_kernel) != name.startswith("wgrad"):
+                continue
+            if only and not any(name.startswith(o) for o in only):
+                continue
+            best = None
+            want = None
+            for cfg in space:
+                if cfg[5:] and cfg[5] and not name.startswith("bwd"):
+                    continue  # PREFETCH only changes the backward epilogues
+                meta = dict(zip(names, cfg[:3] + cfg[5:]))
+                kern.configs = [triton.Config(meta, num_warps=cfg[3], num_stages=cfg[4])]
+                kern.cache.clear()
+                try:
+                    got = fn()
+                    got = [t.float() for t in (got if isinstance(got, tuple) else (got,))]
+                    ms = _bench(fn, warmup=10, rep=40)
+                except Exception as e:  # out of shared memory etc.
+                    out.append(dict(gemm=name, cfg=cfg, error=type(e).__name__))
+                    continue
+                # every config must compute the same thing (up to accumulation order)
+                want = want or got
+                err = max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+                if not err < 1e-2:
+                    print(f"  MISMATCH {name} {cfg}: rel err {err:.3g} against the first config", flush=True)
+                out.append(dict(gemm=name, cfg=cfg, ms=ms, tflops=flops / ms / 1e9, rel_err=err))
+                if best is None or ms < best[1]:
+                    best = (cfg, ms)
+            print(f"  sweep {name:<28} best {best[0]} {flops / best[1] / 1e9:6.1f} TFLOP/s", flush=True)
+        kern.configs = saved
+        kern.cache.clear()
+    return out
+
+
+def launch_overhead(device, n=200):
+    """Host microseconds per call of one small grouped GEMM, layer by layer of the launch path."""
+    import triton
+
+    from megatron_moe.kernels import grouped as G
+    from megatron_moe.kernels.metadata import routing_metadata
+
+    T, H, F, E = 512, 64, 64, 4
+    r = routing_metadata(torch.randint(0, E, (T, 1), device=device), E, 128)
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16)
+    w = torch.randn(E, H, F, device=device, dtype=torch.bfloat16)
+    out = torch.empty(T, F, device=device, dtype=torch.bfloat16)
+    off, tok = r.expert_offsets_E1, r.sorted_token_N
+    cfg = G._gemm_configs()[0]
+
+    def direct_args():
+        return (x, w, out, out, out, off, off, off, tok, off, off, H, F, E, 0, x.stride(0), x.stride(1),
+                w.stride(0), w.stride(1), w.stride(2), out.stride(0), 0, 0)
+
+    meta = dict(EPILOGUE="none", HAS_GATHER=True, HAS_SCATTER=False, HAS_SCALE=False, HAS_ACT_SCALE=False,
+                DOT_PRECISION="tf32", DOT_F32=False, FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT)
+    grid = (G.max_row_blocks(T, E, cfg.kwargs["BLOCK_M"]) * triton.cdiv(F, cfg.kwargs["BLOCK_N"]),)
+    calls = {
+        "grouped_gemm (public)": lambda: G.grouped_gemm(x, w, off, gather_S=tok),
+        "autotuned kernel[grid]": lambda: G._grouped_gemm_kernel[grid](*direct_args(), **meta),
+        "jit kernel.fn[grid] + config": lambda: G._grouped_gemm_kernel.fn[grid](
+            *direct_args(), **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        "torch.empty (reference op)": lambda: torch.empty(T, F, device=device),
+        "torch add (reference op)": lambda: x.add(x),
+    }
+    rows = {}
+    for name, fn in calls.items():
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rows[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        print(f"  launch {name:<32} {rows[name]:8.1f} us/call (host)", flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--providers", default="dense,torch_grouped_mm,grouped,blocksparse")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--launch", action="store_true", help="host time per kernel launch, then exit")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    if args.launch:
+        launch_overhead(device)
+        return
+    result = {}
+    for cname in args.configs.split(","):
+        shape = CONFIGS[cname]
+        res = result[cname] = {}
+        if not args.no_profile:
+            res["profile"] = []
+            for prov in args.providers.split(","):
+                row = profile_provider(prov, shape, device)
+                res["profile"].append(row)
+                print(f"[{cname}] {prov}: wall {row['wall_ms']:.2f} ms/step, enqueue {row['enqueue_ms']:.2f} ms, "
+                      f"GPU busy {row['gpu_busy_ms']:.2f} ms, {row['launches_per_step']:.0f} kernels/step", flush=True)
+                for name, ms, n in row["top"]:
+                    print(f"      {ms:8.3f} ms  x{n:<3} {name}")
+                if prov != "dense":
+                    print("      host (self CPU per step):")
+                    for name, ms, n in row["host"]:
+                        print(f"      {ms:8.3f} ms  x{n:<3} {name}")
+        rows, p = gemm_rows(shape, device)
+        res["gemms"] = rows
+        for r in rows:
+            print(f"[{cname}] gemm {r['gemm']:<36} {r['ms']:.3f} ms {r['tflops']:6.1f} TFLOP/s", flush=True)
+        if not args.no_sweep:
+            res["sweep"] = sweep(p, device, [o for o in args.sweep_only.split(",") if o])
+        del p
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
