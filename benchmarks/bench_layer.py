@@ -79,10 +79,9 @@ def build(provider, tokens, hidden, ffn, experts, top_k, device):
     return GroupedMMMoE(moe) if provider == "torch_grouped_mm" else moe
 
 
-def bench_one(provider, shape, device, warmup_ms, rep_ms):
-    import triton.testing
-
-    tokens, hidden, ffn, experts, top_k = shape
+def make_step(provider, shape, device):
+    """One forward + backward of ``provider`` on random bf16 input: returns (step, model, x)."""
+    tokens, hidden = shape[0], shape[1]
     torch.manual_seed(0)
     model = build(provider, *shape, device)
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -93,9 +92,16 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms):
         for p in params:
             p.grad = None
         x.grad = None
-        y = model(x)
-        y.backward(dy)
+        model(x).backward(dy)
 
+    return step, model, x
+
+
+def bench_one(provider, shape, device, warmup_ms, rep_ms):
+    import triton.testing
+
+    tokens, hidden, ffn, experts, top_k = shape
+    step, model, x = make_step(provider, shape, device)
     step()  # compile / autotune
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -107,7 +113,7 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms):
     flops = 12 * tokens * top_k * hidden * ffn
     row = dict(config=None, provider=provider, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts,
                top_k=top_k, median_ms=ms, tflops=flops / ms / 1e9, peak_mem_gb=peak_gb)
-    del model, x, dy, params
+    del model, x, step
     torch.cuda.empty_cache()
     return row
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import CONFIGS, build  # noqa: E402
+from bench_layer import CONFIGS, make_step  # noqa: E402
 
 
 def _bench(fn, warmup=25, rep=100):
@@ -35,18 +35,7 @@ def _bench(fn, warmup=25, rep=100):
 def profile_provider(provider, shape, device, steps=5):
     from torch.profiler import ProfilerActivity, profile
 
-    tokens, hidden = shape[0], shape[1]
-    torch.manual_seed(0)
-    model = build(provider, *shape, device)
-    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-    params = list(model.parameters())
-
-    def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        model(x).backward(dy)
+    step, model, x = make_step(provider, shape, device)
 
     for _ in range(3):
         step()
@@ -82,7 +71,7 @@ def profile_provider(provider, shape, device, steps=5):
             counts[ev.name] += 1
     busy_ms = sum(per_kernel.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:14]
-    del model, x, dy, params
+    del model, x, step
     torch.cuda.empty_cache()
     return dict(provider=provider, wall_ms=wall_ms, enqueue_ms=enqueue_ms, gpu_busy_ms=busy_ms,
                 launches_per_step=sum(counts.values()) / steps,
