@@ -133,6 +133,15 @@ def _sigmoid(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _rows(index_ptr, offs_s, mask_s, HAS_INDEX: tl.constexpr):
+    """int64 row of each sorted position: index[s] (gather / scatter) or s itself."""
+    if HAS_INDEX:
+        return tl.load(index_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
+    else:
+        return offs_s.to(tl.int64)
+
+
+@triton.jit
 def _gelu_and_grad(h, FAST: tl.constexpr = False):
     """GELU (tanh approximation) of h and its derivative."""
     u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
@@ -201,14 +210,8 @@ def _grouped_gemm_kernel(
 
     offs_s = row0 + tl.arange(0, BLOCK_M)
     mask_s = offs_s < seg_end
-    if HAS_GATHER:
-        rows_a = tl.load(gather_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
-    else:
-        rows_a = offs_s.to(tl.int64)
-    if HAS_SCATTER:
-        rows_o = tl.load(scatter_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
-    else:
-        rows_o = offs_s.to(tl.int64)
+    rows_a = _rows(gather_ptr, offs_s, mask_s, HAS_GATHER)
+    rows_o = _rows(scatter_ptr, offs_s, mask_s, HAS_SCATTER)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     mask_o = mask_s[:, None] & mask_n[None, :]
@@ -343,14 +346,8 @@ def _grouped_wgrad_kernel(
     for s0 in range(seg_start, seg_end, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         mask_s = offs_s < seg_end
-        if HAS_GATHER_A:
-            rows_a = tl.load(gather_a_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
-        else:
-            rows_a = offs_s.to(tl.int64)
-        if HAS_GATHER_B:
-            rows_b = tl.load(gather_b_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
-        else:
-            rows_b = offs_s.to(tl.int64)
+        rows_a = _rows(gather_a_ptr, offs_s, mask_s, HAS_GATHER_A)
+        rows_b = _rows(gather_b_ptr, offs_s, mask_s, HAS_GATHER_B)
         # a tile loaded transposed: [BLOCK_K, BLOCK_S]
         a_t = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_k[:, None] * stride_ak,
                       mask=mask_k[:, None] & mask_s[None, :], other=0.0)
