@@ -13,8 +13,8 @@ row's assignments, and return the weighted sum per row.
 
 Host synchronisation: exactly one per forward and none in the backward (it reuses the
 forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so the
-exchanged token counts are read once. The count exchange is launched asynchronously and
-overlaps the local sort by destination rank.
+exchanged token counts are read once. The count exchange (per expert, so the receiver rebuilds
+the rows' local expert ids from it) is launched asynchronously and overlaps the local sort.
 
 Legend: T tokens, K top_k, N = T*K assignments, H hidden, P expert-parallel ranks,
 R rows received by this rank.
@@ -137,19 +137,22 @@ class AllToAllDispatcher(Dispatcher):
         T, K = expert_ids_TK.shape
         P, El = self.num_ranks, self.num_local_experts
         ids_N = expert_ids_TK.reshape(-1)
-        dest_N = torch.div(ids_N, El, rounding_mode="floor")
-        send_counts_P = count_ids(dest_N, P)
-        recv_counts_P = torch.empty_like(send_counts_P)
-        work = dist.all_to_all_single(recv_counts_P, send_counts_P, group=self.group, async_op=True)
-        # overlaps the count exchange: the local permutation by destination rank
-        order_N = torch.argsort(dest_N, stable=True)
+        # Counts per global expert: chunk p of [E] goes to rank p, which gets [P, El] back (rows
+        # per source rank and local expert), enough to rebuild the received rows' local expert
+        # ids without exchanging them.
+        send_counts_E = count_ids(ids_N, P * El)
+        recv_counts_PEl = torch.empty_like(send_counts_E)
+        work = dist.all_to_all_single(recv_counts_PEl, send_counts_E, group=self.group, async_op=True)
+        # overlaps the count exchange: the local permutation by expert (hence by destination rank)
+        order_N = torch.argsort(ids_N, stable=True)
         x_send = x_TH[torch.div(order_N, K, rounding_mode="floor")]
-        local_ids_send = (ids_N - dest_N * El)[order_N]
         work.wait()
-        send_splits, recv_splits = torch.stack([send_counts_P, recv_counts_P]).tolist()  # the host sync
+        send_recv_P = torch.stack([send_counts_E.view(P, El).sum(1), recv_counts_PEl.view(P, El).sum(1)])
+        send_splits, recv_splits = send_recv_P.tolist()  # the host sync
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
-        ids_recv = local_ids_send.new_empty(sum(recv_splits))
-        _timed_all_to_all(ids_recv, local_ids_send, recv_splits, send_splits, self.group)
+        # rows from each source rank arrive sorted by local expert: ids from the counts, no sync
+        local_ids = torch.arange(El, device=ids_N.device).repeat(P)
+        ids_recv = torch.repeat_interleave(local_ids, recv_counts_PEl, output_size=sum(recv_splits))
         ones_R1 = torch.ones(ids_recv.shape[0], 1, device=x_TH.device, dtype=torch.float32)
         ctx = _A2AContext(order_N, send_splits, recv_splits, weights_TK, T, K)
         return x_recv, ids_recv[:, None], ones_R1, ctx

@@ -287,6 +287,35 @@ def _fault_steps() -> dict[int, float]:
 # ----------------------------------------------------------------------------- training
 
 
+def _start_profile(step: int, device):
+    """torch.profiler over training step ``step`` when MEGATRON_MOE_PROFILE_STEP equals it (a
+    diagnosis aid: kernel times, host gaps, NCCL waits of one step; see _finish_profile)."""
+    want = os.environ.get("MEGATRON_MOE_PROFILE_STEP", "")
+    if not want.isdigit() or int(want) != step:
+        return None
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _finish_profile(prof, run_dir, step: int, rank: int) -> None:
+    """Writes profile_step{N}_rank{R}.txt (ops by GPU time, then by host time) and the Chrome
+    trace profile_step{N}_rank{R}.json into the run directory."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    stem = Path(run_dir) / f"profile_step{step}_rank{rank}"
+    ka = prof.key_averages()
+    sort_gpu = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(f"{stem}.txt", "w") as f:
+        f.write(ka.table(sort_by=sort_gpu, row_limit=40) + "\n")
+        f.write(ka.table(sort_by="cpu_time_total", row_limit=25) + "\n")
+    prof.export_chrome_trace(f"{stem}.json")
+
+
 def train(cfg: RunConfig, resume: bool = False) -> dict:
     """Train per ``cfg``; with ``resume`` continue from run_dir/checkpoints/latest (if any).
 
@@ -448,6 +477,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     n_layers = len(layers)
     try:
         while step < tc.train_iters:
+            prof = _start_profile(step + 1, device)
             t0 = time.perf_counter()
             lr = lr_at(step, tc)
             for g in optimizer.param_groups:
@@ -529,6 +559,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                 m["val_loss"] = last_val
                 m["val_ppl"] = math.exp(min(last_val, 80.0))
 
+            if prof is not None:
+                _finish_profile(prof, run_dir, step, rank)
             losses.append(lm_loss)
             steps.append(step)
             logger.log(m, step)

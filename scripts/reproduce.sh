@@ -20,12 +20,17 @@
 #   EP           model.moe.expert_parallel_size for the MoE runs (default: unset)
 #   MICRO_BATCH_<NAME>   micro-batch for run NAME, upper-cased, '-'/'.' -> '_' (e.g.
 #                MICRO_BATCH_MOE_XS_CF1_5); else the search's saved answer, else a search
+#   MB_START     first micro-batch the search tries (default: the config's micro_batch_size)
 #   RUNS         subset of run names (default: all 5); RUNS_DIR (default runs/repro-SIZE)
 #   RESULTS      default benchmarks/results/repro-SIZE: micro_batch/*.json, logs/*.log,
 #                runs/NAME/{metrics.jsonl,config.yaml} (committed), table.md/json, plots/
 #   KEEP_CHECKPOINTS=1 saves each run's final checkpoint in RUNS_DIR/NAME/checkpoints
 #                (default: none is written, train.save_final=false: a dmoe-small checkpoint is
 #                ~44 GB); FORCE=1 reruns runs already done
+#   TAG          a variant's name: runs/repro-SIZE-TAG, benchmarks/results/repro-SIZE-TAG, W&B group
+#                repro-SIZE-TAG (e.g. TAG=gb64 with train.global_batch_size=64)
+#   NO_COMPARE=1 trains only; COMPARE_ONLY=1 only rebuilds the table and plots from RESULTS
+#                (scripts/reproduce_parallel.sh uses both)
 set -euo pipefail
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
@@ -49,9 +54,9 @@ PY="${PYTHON:-python}"
 DRY_RUN="${DRY_RUN:-0}"
 NPROC="${NPROC:-1}"
 TOKENS="${TOKENS:-31457280}"
-RUNS_DIR="${RUNS_DIR:-runs/repro-$SIZE}"
-RESULTS="${RESULTS:-benchmarks/results/repro-$SIZE}"
-GROUP="repro-$SIZE"
+RUNS_DIR="${RUNS_DIR:-runs/repro-$SIZE${TAG:+-$TAG}}"
+RESULTS="${RESULTS:-benchmarks/results/repro-$SIZE${TAG:+-$TAG}}"
+GROUP="repro-$SIZE${TAG:+-$TAG}"
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: NPROC='$NPROC' is invalid: expected an int >= 1 (GPUs)" >&2; exit 2; }
 [[ "$TOKENS" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: TOKENS='$TOKENS' is invalid: expected a positive integer (training tokens per run)" >&2; exit 2; }
 [[ -z "${EP:-}" || "$EP" =~ ^[1-9][0-9]*$ ]] || { echo "reproduce.sh: EP='$EP' is invalid: expected an int >= 1 (experts split over EP ranks)" >&2; exit 2; }
@@ -126,6 +131,7 @@ if [[ "$DRY_RUN" != 1 ]] && command -v nvidia-smi >/dev/null; then
 fi
 
 for r in "${SELECTED[@]}"; do
+    [[ "${COMPARE_ONLY:-0}" == 1 ]] && break
     IFS='|' read -r NAME CFG CF <<< "$r"
     EXTRA=()
     [[ -n "$CF" ]] && EXTRA+=("$CF")
@@ -148,7 +154,9 @@ for r in "${SELECTED[@]}"; do
         echo "== $NAME: micro-batch $MB (saved search $MBJSON; delete it to search again)"
     else
         echo "== $NAME: searching the largest micro-batch that fits"
-        FIND=("$PY" tools/find_micro_batch.py "$CFG" --nproc "$NPROC" --json "$MBJSON" "${OVR[@]}")
+        FIND=("$PY" tools/find_micro_batch.py "$CFG" --nproc "$NPROC" --json "$MBJSON")
+        [[ -n "${MB_START:-}" ]] && FIND+=(--start "$MB_START")
+        FIND+=("${OVR[@]}")
         if [[ "$DRY_RUN" == 1 ]]; then
             show "${FIND[@]}"
             MB='<found>'
@@ -180,6 +188,7 @@ for r in "${SELECTED[@]}"; do
     touch "$RUNS_DIR/$NAME/.repro-done"
 done
 
+[[ "${NO_COMPARE:-0}" == 1 ]] && exit 0
 # 3. the table and plots, from the copies in RESULTS (they rebuild without a GPU): every run of
 # this size that has finished, also those of earlier calls (RUNS=... reruns a subset)
 DIRS=()

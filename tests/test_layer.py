@@ -204,6 +204,35 @@ def test_capacity_drops_exactly_the_overflow():
     assert kept < 2 * T, "the case must actually drop something"
 
 
+def test_capacity_gradients_with_drops_match_a_loop():
+    """The backward through the drop (spare slot, zero weight): every gradient equals autograd
+    through a plain loop that serves the first C assignments per expert, float64."""
+    cfg = cfg_(mlp_impl="capacity", num_experts=4, top_k=2, capacity_factor=1.0)
+    layer = make_layer(cfg).double()
+    T = 21
+    x = torch.randn(T, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(T, cfg.hidden_size, dtype=torch.float64)
+    (layer(x) * g).sum().backward()
+    C = cfg.capacity(T)
+    x2 = x.detach().clone().requires_grad_(True)
+    wr, w1, w2 = (p.detach().clone().requires_grad_(True)
+                  for p in (layer.router.weight, layer.experts.w1, layer.experts.w2))
+    top = torch.topk(torch.softmax(x2 @ wr.t(), -1), 2, -1)
+    used, rows, kept = [0] * 4, [torch.zeros(cfg.hidden_size, dtype=torch.float64)] * T, 0
+    for k in range(2):
+        for t in range(T):
+            e = top.indices[t, k].item()
+            if used[e] < C:
+                used[e] += 1
+                kept += 1
+                rows[t] = rows[t] + top.values[t, k] * (F.gelu(x2[t] @ w1[e], approximate="tanh") @ w2[e])
+    assert kept < 2 * T, "the case must actually drop something"
+    (torch.stack(rows) * g).sum().backward()
+    for got, want in ((x.grad, x2.grad), (layer.router.weight.grad, wr.grad),
+                      (layer.experts.w1.grad, w1.grad), (layer.experts.w2.grad, w2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # the router runs in fp32
+
+
 def test_capacity_all_to_one_expert_drops_the_rest():
     cfg = cfg_(mlp_impl="capacity", num_experts=4, top_k=1, capacity_factor=1.0)
     layer = make_layer(cfg)

@@ -545,7 +545,7 @@ def test_paper_config_shapes_and_parameter_counts(name):
         assert m.moe is None
     else:
         assert (m.moe.num_experts, m.moe.top_k, m.moe.moe_layer_freq) == (64, 1, 1)
-        assert m.moe.mlp_impl == ("capacity" if name.startswith("moe") else "blocksparse")
+        assert m.moe.mlp_impl == ("capacity" if name.startswith("moe") else "grouped")
         assert m.moe.capacity_factor == 1.0
     total = count_parameters(m)["total"]
     assert abs(total - paper) / paper < 0.02, f"{name}: {total / 1e6:.1f}M vs the paper's {paper / 1e6:.0f}M"

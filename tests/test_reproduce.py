@@ -267,3 +267,57 @@ def test_help_and_syntax():
     assert proc.returncode == 0 and "DRY_RUN=1" in proc.stdout and "MICRO_BATCH_" in proc.stdout
     assert not re.search(r"^set -", proc.stdout, re.M)
     assert "Exit status" in fmb.__doc__ or "exit status" in fmb.__doc__.lower()
+
+
+def test_dry_run_tag_and_search_start():
+    proc = _dry("xs", TAG="gb64", MB_START="16", RUNS="dmoe-xs")
+    assert proc.returncode == 0, proc.stderr
+    cmds = _commands(proc.stdout)
+    (find,) = [c for c in cmds if "tools/find_micro_batch.py" in c]
+    assert find[find.index("--start") + 1] == "16"
+    (train,) = [c for c in cmds if c[1:3] == ["-m", "megatron_moe.train"]]
+    assert _opts(train)["logging.runs_dir"] == "runs/repro-xs-gb64"
+    assert _opts(train)["logging.wandb_group"] == "repro-xs-gb64"
+    (compare,) = [c for c in cmds if "tools/compare_runs.py" in c]
+    assert compare[compare.index("--markdown") + 1] == "benchmarks/results/repro-xs-gb64/table.md"
+
+
+def _parallel(*args, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MICRO_BATCH_", "TOKENS"))
+         and k not in ("RUNS", "NPROC", "EP", "RUNS_DIR", "RESULTS", "GPUS", "NGPUS", "TAG")}
+    e.update(DRY_RUN="1", PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", str(REPO / "scripts" / "reproduce_parallel.sh"), *args], cwd=REPO,
+                          env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_parallel_dry_run_one_run_per_gpu_then_the_tables(tmp_path):
+    proc = _parallel("xs:gpt-xs", "xs:dmoe-xs", "small:gpt-small", "--", "data.cache_dir=/tmp/x",
+                     GPUS="4 5", TOKENS_XS=str(2 * 512 * 1024), TMPDIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    # the i-th run on GPU GPUS[i mod 2], each GPU in order
+    got = sorted(re.findall(r"== GPU (\d): (\w+) ([\w.-]+)\n", proc.stdout))
+    assert got == [("4", "small", "gpt-small"), ("4", "xs", "gpt-xs"), ("5", "xs", "dmoe-xs")]
+    for size, name, steps in (("xs", "gpt-xs", "2"), ("xs", "dmoe-xs", "2"), ("small", "gpt-small", "60")):
+        out = (tmp_path / f"reproduce-{size}-{name}.out").read_text()
+        (train,) = [c for c in _commands(out) if c[1:3] == ["-m", "megatron_moe.train"]]
+        assert _opts(train)["name"] == name and _opts(train)["train.train_iters"] == steps
+        assert _opts(train)["data.cache_dir"] == "/tmp/x"
+        assert "tools/compare_runs.py" not in out      # NO_COMPARE: the tables come once, at the end
+    # then one table per size, over that size's runs, training nothing
+    cmds = _commands(proc.stdout)
+    assert not [c for c in cmds if c[1:3] == ["-m", "megatron_moe.train"]]
+    compare = [c for c in cmds if "tools/compare_runs.py" in c]
+    assert [c[c.index("--markdown") + 1] for c in compare] == \
+        ["benchmarks/results/repro-small/table.md", "benchmarks/results/repro-xs/table.md"]
+
+
+@pytest.mark.parametrize("args,env,message", [
+    ([], {}, "no runs given: expected SIZE:RUN arguments"),
+    (["xl:gpt-xl"], {}, "run 'xl:gpt-xl' is invalid: expected SIZE:RUN with SIZE xs, small or medium"),
+    (["xs:gpt-xs"], {"GPUS": "a b"}, "GPUS='a b' is invalid: expected GPU indices"),
+])
+def test_parallel_bad_input_is_one_line(args, env, message):
+    proc = _parallel(*args, **env)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -512,3 +512,15 @@ def test_save_final_false_writes_no_checkpoint(workdir):
     run_dir = workdir / "runs" / "nosave"
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
     assert latest_checkpoint(run_dir) is None and "saved checkpoint" not in run.stdout
+
+
+def test_profile_one_step_writes_tables_and_trace(workdir):
+    """MEGATRON_MOE_PROFILE_STEP=N: torch.profiler over step N only, files in the run directory."""
+    _run(_overrides(workdir, "profiled", "train.train_iters=3", "train.lr_warmup_iters=1",
+                    "train.eval_interval=0", "train.save_interval=0", "train.save_final=false",
+                    "logging.wandb=false"), MEGATRON_MOE_PROFILE_STEP="2")
+    run = workdir / "runs" / "profiled"
+    assert sorted(p.name for p in run.glob("profile_*")) == ["profile_step2_rank0.json", "profile_step2_rank0.txt"]
+    table = (run / "profile_step2_rank0.txt").read_text()
+    assert "Name" in table and "GroupedMLP" in table  # the MoE layer's op is in the step
+    assert json.loads((run / "profile_step2_rank0.json").read_text())["traceEvents"]

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Scaling on one 8-GPU host (the paper's setting): dropless MoE with expert parallelism, dense
+# with data parallelism and the capacity-factor MoE, 1 to 8 GPUs, in "waves" of runs that share
+# nothing (disjoint GPUs, each its own torchrun --standalone). Weak scaling: every run has the same
+# micro-batch and micro-batches per GPU, so tokens/s per GPU compares directly.
+#
+#   bash benchmarks/multi_gpu.sh                  # all 7 waves (8 GPUs, ~7 minutes on H200s)
+#   WAVES="2 3" STEPS=30 bash benchmarks/multi_gpu.sh
+#   WAVES="1 2 3" WAVE_1="dmoe-small-ep1:dmoe-small:0:1" WAVE_2="dmoe-small-ep2:dmoe-small:0,1:2" \
+#     WAVE_3="dmoe-small-ep4:dmoe-small:0,1,2,3:4" bash benchmarks/multi_gpu.sh     # 4 GPUs, EP 1/2/4
+#
+# A wave is one WAVE_n variable (defaults below, each can be set from outside): runs
+# "name:config:gpus:ep" separated by spaces, started together on the GPUs listed (ep =
+# expert_parallel_size, 0 = dense; a name ends in -epN or -dpN, N the GPUs). Waves are
+# skipped once DEADLINE seconds (default 560) are near, so what ran still comes back.
+# MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
+# table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
+set -uo pipefail
+OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[[ -e megatron_moe/kernels ]] || ln -sfn ../kernels megatron_moe/kernels
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+STEPS=${STEPS:-30}; MB=${MB:-8}; ACC=${ACC:-2}; DEADLINE=${DEADLINE:-560}
+PROFILE_RUN=${PROFILE_RUN:-dmoe-small-ep8}; PROFILE_STEP=${PROFILE_STEP:-$((STEPS - 5))}
+WAVE_1=${WAVE_1:-"dmoe-small-ep1:dmoe-small:0:1 gpt-small-dp1:gpt-small:1:0 gpt-medium-dp1:gpt-medium:2:0 moe-small-ep1:moe-small:3:1 dmoe-small-ep4:dmoe-small:4,5,6,7:4"}
+WAVE_2=${WAVE_2:-"dmoe-small-ep8:dmoe-small:0,1,2,3,4,5,6,7:8"}
+WAVE_3=${WAVE_3:-"dmoe-medium-ep8:dmoe-medium:0,1,2,3,4,5,6,7:8"}
+WAVE_4=${WAVE_4:-"moe-small-ep8:moe-small:0,1,2,3,4,5,6,7:8"}
+WAVE_5=${WAVE_5:-"gpt-small-dp8:gpt-small:0,1,2,3,4,5,6,7:0"}
+WAVE_6=${WAVE_6:-"gpt-medium-dp8:gpt-medium:0,1,2,3,4,5,6,7:0"}
+WAVE_7=${WAVE_7:-"dmoe-small-ep2:dmoe-small:0,1:2 gpt-small-dp2:gpt-small:2,3:0 dmoe-medium-ep4:dmoe-medium:4,5,6,7:4"}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  date -u +%Y-%m-%dT%H:%M:%SZ; } > "$OUT/env.txt" 2>&1
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+# the default corpus and tokenizer once, before runs start side by side
+python3 -m megatron_moe.data_prep --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
+
+run_one() {  # name config gpus ep
+  local name=$1 cfg=$2 gpus=$3 ep=$4 n extra=()
+  n=$(tr ',' '\n' <<< "$gpus" | wc -l)
+  [[ $ep -gt 0 ]] && extra+=("model.moe.expert_parallel_size=$ep")
+  local envs=(CUDA_VISIBLE_DEVICES="$gpus")
+  [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
+  env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
+    -m megatron_moe.train --config "configs/$cfg.yaml" name="$name" logging.wandb=false \
+    logging.runs_dir=/tmp/mg "${extra[@]}" \
+    train.micro_batch_size="$MB" train.global_batch_size=$((MB * ACC * n)) train.train_iters="$STEPS" \
+    train.lr_warmup_iters=$((STEPS / 4)) train.eval_interval=0 train.save_interval=0 train.save_final=false \
+    train.log_interval=5 > "$OUT/$name.log" 2>&1
+  local rc=$?
+  cp "/tmp/mg/$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+  cat /tmp/mg/"$name"/profile_step*_rank0.txt > "$OUT/$name.profile.txt" 2>/dev/null || rm -f "$OUT/$name.profile.txt"
+  gzip -c /tmp/mg/"$name"/profile_step*_rank0.json > "$OUT/$name.trace.json.gz" 2>/dev/null || rm -f "$OUT/$name.trace.json.gz"
+  echo "   $name exit $rc ($(grep -m1 -E '^done|Error|error' "$OUT/$name.log" | cut -c1-150))"
+}
+
+START=$SECONDS
+for w in ${WAVES:-1 2 3 4 5 6 7}; do
+  var="WAVE_$w"
+  if (( SECONDS - START > DEADLINE - 75 )); then echo "== wave $w skipped (deadline)"; continue; fi
+  echo "== wave $w at $((SECONDS - START)) s: ${!var}"
+  for spec in ${!var}; do
+    IFS=: read -r name cfg gpus ep <<< "$spec"
+    run_one "$name" "$cfg" "$gpus" "$ep" &
+  done
+  wait
+done
+
+python3 - "$OUT" "$STEPS" <<'EOF'
+import glob, json, os, re, statistics as st, sys
+out, steps = sys.argv[1], int(sys.argv[2])
+rows = {}
+for p in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
+    name = os.path.basename(p)[:-6]
+    r = [json.loads(l) for l in open(p)]
+    r = [x for x in r if x.get("tokens_per_s") and x["step"] > steps // 4]  # past compile / autotune
+    m = re.match(r"(.+)-(ep|dp)(\d+)$", name)
+    if not r or not m:
+        continue
+    n = int(m.group(3))
+    a2a = [x["a2a_ms"] for x in r if x.get("a2a_ms") is not None]
+    rows[name] = dict(config=m.group(1), gpus=n, tokens_per_s_per_gpu=st.median(x["tokens_per_s"] for x in r) / n,
+                      step_time_s=st.median(x["step_time_s"] for x in r), a2a_ms=st.median(a2a) if a2a else 0.0,
+                      a2a_fraction=st.median(x.get("a2a_fraction", 0.0) for x in r),
+                      tflops_per_gpu=st.median(x.get("tflops_per_gpu") or 0.0 for x in r),
+                      mfu=st.median(x.get("mfu") or 0.0 for x in r),
+                      peak_mem_gb=max(x.get("peak_mem_gb") or 0.0 for x in r))
+for name, row in rows.items():  # against the same config on the fewest GPUs that ran
+    base = min((x for x in rows.values() if x["config"] == row["config"]), key=lambda x: x["gpus"])
+    row["vs"] = f"{row['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f} of {base['gpus']} GPU"
+json.dump(rows, open(os.path.join(out, "scaling.json"), "w"), indent=1)
+print(f"{'run':<17} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7}")
+for name, r in sorted(rows.items(), key=lambda kv: (kv[1]["config"], kv[1]["gpus"])):
+    print(f"{name:<17} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
+          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f}")
+EOF
+# one file to carry back (the device tool returns a limited number of files): TARBALL=1
+[[ "${TARBALL:-0}" == 1 ]] && tar czf "/tmp/multi_gpu.tgz" -C "$OUT" . && mv /tmp/multi_gpu.tgz "$OUT/"
