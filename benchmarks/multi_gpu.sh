@@ -13,6 +13,7 @@
 # "name:config:gpus:ep" separated by spaces, started together on the GPUs listed (ep =
 # expert_parallel_size, 0 = dense; a name ends in -epN or -dpN, N the GPUs). Waves are
 # skipped once DEADLINE seconds (default 560) are near, so what ran still comes back.
+# MOE_EXTRA: overrides for the MoE runs, e.g. MOE_EXTRA="model.moe.a2a_splits=padded".
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
 # table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
@@ -43,7 +44,7 @@ python3 -m megatron_moe.data_prep --config configs/gpt-small.yaml > "$OUT/data_p
 run_one() {  # name config gpus ep
   local name=$1 cfg=$2 gpus=$3 ep=$4 n extra=()
   n=$(tr ',' '\n' <<< "$gpus" | wc -l)
-  [[ $ep -gt 0 ]] && extra+=("model.moe.expert_parallel_size=$ep")
+  [[ $ep -gt 0 ]] && extra+=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-})
   local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \

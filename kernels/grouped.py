@@ -1,8 +1,8 @@
 """Grouped GEMMs of the dropless MoE with the gather and the scatter fused into the loads/stores.
 
 Rows are grouped by expert: sorted position s belongs to expert e when
-``offsets_E1[e] <= s < offsets_E1[e + 1]`` (``Routing.expert_offsets_E1``; its last entry must
-equal S). Two kernels, each with a launcher and a plain-PyTorch reference:
+``offsets_E1[e] <= s < offsets_E1[e + 1]`` (``Routing.expert_offsets_E1``; its last entry is
+S, or less when the rows past it are padding: nothing is computed or written for them). Two kernels, each with a launcher and a plain-PyTorch reference:
 
 * :func:`grouped_gemm` (row-grouped):  out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[e])
   Epilogues: none; 'gelu' / 'swiglu' (writes the pre-activation and the activation, the latter

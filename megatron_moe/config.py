@@ -12,6 +12,7 @@ from dataclasses import dataclass
 MLP_IMPLS = ("blocksparse", "grouped", "grouped_mm", "capacity", "reference")
 ACTIVATIONS = ("gelu", "swiglu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+A2A_SPLITS = ("host", "padded")
 
 
 @dataclass
@@ -33,6 +34,12 @@ class MoEConfig:
     tokens) or 'reference' (plain PyTorch loop over experts)."""
     block_size: int = 128
     """Block size of the block-sparse path: each expert's token bin is padded to it."""
+    a2a_splits: str = "host"
+    """Expert parallelism only: how the token all-to-all is sized. 'host': exact split sizes,
+    read on the host once per layer forward (one sync). 'padded': no host sync; every rank sends
+    each peer a fixed block of tokens*top_k rows (the worst case, so nothing is dropped), P times
+    the bytes and the MoE activation memory of 'host' for P ranks: for ranks on one NVLink
+    domain, where the per-layer sync costs more than the extra bytes. grouped/reference only."""
     capacity_factor: float = 1.0
     """mlp_impl='capacity' only: each expert takes at most ceil(cf * tokens * top_k / E)."""
     normalize_top_k: bool = False
@@ -87,6 +94,11 @@ def validate_moe_config(cfg: MoEConfig) -> None:
         _fail("activation", cfg.activation, f"expected one of {ACTIVATIONS}")
     if cfg.mlp_impl not in MLP_IMPLS:
         _fail("mlp_impl", cfg.mlp_impl, f"expected one of {MLP_IMPLS}")
+    if cfg.a2a_splits not in A2A_SPLITS:
+        _fail("a2a_splits", cfg.a2a_splits, f"expected one of {A2A_SPLITS}")
+    if cfg.a2a_splits == "padded" and cfg.mlp_impl not in ("grouped", "reference"):
+        _fail("a2a_splits", cfg.a2a_splits, f"expected 'host' with mlp_impl={cfg.mlp_impl!r} ('padded' "
+              "runs with mlp_impl grouped or reference)")
     if cfg.score_function not in SCORE_FUNCTIONS:
         _fail("score_function", cfg.score_function, f"expected one of {SCORE_FUNCTIONS}")
     if cfg.block_size not in (16, 32, 64, 128, 256):

@@ -11,9 +11,12 @@ row's assignments, and return the weighted sum per row.
   variable splits), is computed there as a top-1 row, travels back, and is weighted and summed
   over k on the sender. Autograd runs through both exchanges.
 
-Host synchronisation: exactly one per forward and none in the backward (it reuses the
-forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so the
-exchanged token counts are read once. The count exchange (per expert, so the receiver rebuilds
+- PaddedAllToAllDispatcher (``a2a_splits='padded'``): the same without reading the counts on
+  the host: fixed worst-case blocks per peer, padding rows skipped by the experts.
+
+Host synchronisation (AllToAllDispatcher): exactly one per forward and none in the backward (it
+reuses the forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so
+the exchanged token counts are read once. The count exchange (per expert, so the receiver rebuilds
 the rows' local expert ids from it) is launched asynchronously and overlaps the local sort.
 
 Legend: T tokens, K top_k, N = T*K assignments, H hidden, P expert-parallel ranks,
@@ -32,9 +35,12 @@ from .router import count_ids
 
 class Dispatcher:
     """Interface. ``dispatch`` returns (rows, local expert ids [R, k], weights [R, k], ctx) for the
-    local experts; ``combine`` takes the experts' output rows [R, H] and returns [T, H]."""
+    local experts; ``combine`` takes the experts' output rows [R, H] and returns [T, H].
+    ``pads_rows``: some rows are padding, marked with the local expert id num_local_experts;
+    the experts skip them (their output rows are never read)."""
 
     num_ranks: int = 1
+    pads_rows: bool = False
 
     def dispatch(self, x_TH: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
@@ -158,7 +164,60 @@ class AllToAllDispatcher(Dispatcher):
         return x_recv, ids_recv[:, None], ones_R1, ctx
 
     def combine(self, y_RH, ctx: _A2AContext):
-        y_send = all_to_all(y_RH, ctx.send_splits, ctx.recv_splits, self.group)
-        y_NH = torch.zeros_like(y_send).index_copy(0, ctx.order_N, y_send)
-        y_TKH = y_NH.view(ctx.num_tokens, ctx.top_k, -1)
-        return (y_TKH.float() * ctx.weights_TK[..., None]).sum(1).to(y_RH.dtype)
+        y_sorted = all_to_all(y_RH, ctx.send_splits, ctx.recv_splits, self.group)
+        return _unsort_and_weight(y_sorted, ctx.order_N, ctx.weights_TK)
+
+
+def _unsort_and_weight(y_sorted_NH, order_N, weights_TK):
+    """Rows in sorted-by-expert order back to assignment order, weighted and summed over k."""
+    T, K = weights_TK.shape
+    y_NH = torch.zeros_like(y_sorted_NH).index_copy(0, order_N, y_sorted_NH)
+    return (y_NH.view(T, K, -1).float() * weights_TK[..., None]).sum(1).to(y_sorted_NH.dtype)
+
+
+@dataclass
+class _PaddedContext:
+    order_N: torch.Tensor  # sorted position -> assignment index
+    slot_N: torch.Tensor  # sorted position -> row of the padded [P * C] exchange buffer
+    block: int  # C rows per peer
+    weights_TK: torch.Tensor
+
+
+class PaddedAllToAllDispatcher(AllToAllDispatcher):
+    """The same exchange without a host synchronisation: each peer gets a fixed block of
+    C = T*K rows (the most one rank can send one peer, so nothing is ever dropped), valid rows
+    first, sorted by local expert; the rest is padding that the experts skip. The row counts
+    travel as before (per expert, asynchronously) but stay on the device: the receiver turns
+    them into local expert ids, padding rows get id num_local_experts. Cost: P times the bytes
+    of the exact exchange and P*C rows of expert activations (valid rows are computed only)."""
+
+    pads_rows = True
+
+    def dispatch(self, x_TH, expert_ids_TK, weights_TK):
+        T, K = expert_ids_TK.shape
+        P, El = self.num_ranks, self.num_local_experts
+        N = C = T * K
+        dev = x_TH.device
+        ids_N = expert_ids_TK.reshape(-1)
+        send_counts_E = count_ids(ids_N, P * El)
+        recv_counts_PEl = torch.empty_like(send_counts_E)
+        work = dist.all_to_all_single(recv_counts_PEl, send_counts_E, group=self.group, async_op=True)
+        order_N = torch.argsort(ids_N, stable=True)
+        dest_N = torch.div(ids_N[order_N], El, rounding_mode="floor")  # sorted, so grouped by rank
+        send_P = send_counts_E.view(P, El).sum(1)
+        first_P = torch.cumsum(send_P, 0) - send_P
+        slot_N = dest_N * C + torch.arange(N, device=dev) - first_P[dest_N]
+        x_send = x_TH.new_zeros(P * C, x_TH.shape[1]).index_copy(
+            0, slot_N, x_TH[torch.div(order_N, K, rounding_mode="floor")])
+        work.wait()  # a stream dependency on the GPU, not a host wait
+        x_recv = all_to_all(x_send, [C] * P, [C] * P, self.group)
+        # row j of peer p's block: the local expert whose cumulative count first exceeds j
+        cum_PEl = torch.cumsum(recv_counts_PEl.view(P, El), 1)
+        j_PC = torch.arange(C, device=dev).expand(P, C).contiguous()
+        ids_R = torch.searchsorted(cum_PEl, j_PC, right=True).reshape(-1)  # El = padding
+        ones_R1 = torch.ones(P * C, 1, device=dev, dtype=torch.float32)
+        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(order_N, slot_N, C, weights_TK)
+
+    def combine(self, y_RH, ctx: _PaddedContext):
+        y_back = all_to_all(y_RH, [ctx.block] * self.num_ranks, [ctx.block] * self.num_ranks, self.group)
+        return _unsort_and_weight(y_back[ctx.slot_N], ctx.order_N, ctx.weights_TK)

@@ -7,6 +7,8 @@ Legend: T tokens, K top_k, H hidden, F ffn, E experts.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -87,11 +89,13 @@ class Experts(nn.Module):
             self.w1[i].normal_(0.0, self.cfg.init_method_std, generator=gen)
             self.w2[i].normal_(0.0, std2, generator=gen)
 
-    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None, capacity=None):
+    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None, capacity=None, skip_padding=False):
         """Σ_k weights_TK[t, k] * expert_{ids[t, k]}(x_TH[t]). Returns (y_TH, dropped_fraction or None).
 
         ``capacity`` (capacity impl only) overrides ``cfg.capacity(len(x_TH))``: under expert
         parallelism the rows here come from the whole group, and the group's token count sets it.
+        ``skip_padding``: ids equal to the number of local experts mark padding rows (grouped and
+        reference only); nothing is computed for them and their output rows are undefined.
         """
         cfg = self.cfg
         w1 = self.w1 if w1 is None else w1
@@ -105,7 +109,17 @@ class Experts(nn.Module):
             return capacity_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation, capacity)
         from megatron_moe.kernels.metadata import routing_metadata
 
-        routing = routing_metadata(expert_ids_TK, w1.shape[0], cfg.block_size)
+        E = w1.shape[0]
+        if skip_padding and impl != "grouped":
+            raise ValueError(f"padding rows (a2a_splits='padded') need mlp_impl grouped or reference, "
+                             f"not {impl!r}")
+        if skip_padding:  # padding sorts last, into an extra bin that no expert reads
+            routing = routing_metadata(expert_ids_TK, E + 1, cfg.block_size)
+            routing = dataclasses.replace(routing, num_experts=E,
+                                          tokens_per_expert_E=routing.tokens_per_expert_E[:E],
+                                          expert_offsets_E1=routing.expert_offsets_E1[:E + 1])
+        else:
+            routing = routing_metadata(expert_ids_TK, E, cfg.block_size)
         if impl == "grouped":
             from .ops.grouped_mlp import grouped_mlp
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from .config import MoEConfig
-from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, PaddedAllToAllDispatcher
 from .experts import Experts, SharedExpert
 from .router import TopKRouter
 
@@ -47,7 +47,8 @@ class DroplessMoE(nn.Module):
         self.router = TopKRouter(cfg)
         if dispatcher is None:
             use_a2a = ep_group is not None and torch.distributed.get_world_size(ep_group) > 1
-            dispatcher = AllToAllDispatcher(ep_group, cfg.num_experts) if use_a2a else LocalDispatcher()
+            a2a = PaddedAllToAllDispatcher if cfg.a2a_splits == "padded" else AllToAllDispatcher
+            dispatcher = a2a(ep_group, cfg.num_experts) if use_a2a else LocalDispatcher()
         self.dispatcher = dispatcher
         self.ep_size = dispatcher.num_ranks
         self.ep_rank = getattr(dispatcher, "rank", 0)
@@ -96,7 +97,8 @@ class DroplessMoE(nn.Module):
             w1, w2 = self.experts.w1.to(dtype), self.experts.w2.to(dtype)
             xd, ids, w, ctx = self.dispatcher.dispatch(xc_TH, r.expert_ids_TK, r.weights_TK)
             y, dropped = self.experts(xd, ids, w, w1=w1, w2=w2,
-                                      capacity=self.cfg.capacity(x_TH.shape[0] * self.ep_size))
+                                      capacity=self.cfg.capacity(x_TH.shape[0] * self.ep_size),
+                                      skip_padding=self.dispatcher.pads_rows)
             y_TH = self.dispatcher.combine(y, ctx)
             self.dropped_fraction = None if dropped is None else dropped.detach()
             if self.shared_expert is not None:

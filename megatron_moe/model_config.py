@@ -93,6 +93,10 @@ class MoESection:
     expert_parallel_size: int = 1
     """Ranks the experts are split over (1 = every rank holds all experts); divides num_experts
     and the world size. Dense parameters stay data-parallel over all ranks."""
+    a2a_splits: str = "host"
+    """Expert parallelism: 'host' (exact all-to-all splits, one host sync per layer forward) or
+    'padded' (no host sync, worst-case fixed blocks: P x the exchanged bytes and MoE activation
+    memory; for ranks on one NVLink domain; grouped/reference only)."""
 
     def __post_init__(self) -> None:
         p = "model.moe"
@@ -126,6 +130,7 @@ class MoESection:
                 activation=activation,
                 mlp_impl=self.mlp_impl,
                 block_size=self.block_size,
+                a2a_splits=self.a2a_splits,
                 capacity_factor=self.capacity_factor,
                 normalize_top_k=self.normalize_top_k,
                 score_function=self.score_function,

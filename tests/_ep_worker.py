@@ -1,10 +1,11 @@
 """One rank of the expert-parallel tests (run by tests/test_expert_parallel.py, gloo on the CPU).
 
-    python tests/_ep_worker.py OUT_DIR CASE IMPL EP   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+    python tests/_ep_worker.py OUT_DIR CASE IMPL[+padded] EP   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
 
 Builds the full layer from a fixed seed, keeps this rank's slice of the experts, runs its own
 tokens of a global batch, and saves the output, the local gradients and the reduced gradients.
 """
+import contextlib
 import os
 import sys
 
@@ -18,8 +19,10 @@ TOKENS_PER_RANK, H = 13, 16
 
 
 def case_config(case, impl):
+    """impl 'grouped+padded' = mlp_impl grouped with a2a_splits='padded' (no host sync)."""
+    impl, _, splits = impl.partition("+")
     return MoEConfig(hidden_size=H, ffn_hidden_size=24, num_experts=8, top_k=2, block_size=16,
-                     aux_loss_coeff=0.0, mlp_impl=impl, capacity_factor=8.0)
+                     aux_loss_coeff=0.0, mlp_impl=impl, capacity_factor=8.0, a2a_splits=splits or "host")
 
 
 def full_layer_and_batch(case, impl, world):
@@ -42,6 +45,24 @@ def full_layer_and_batch(case, impl, world):
     return layer, x, dy
 
 
+@contextlib.contextmanager
+def no_host_reads(enabled):
+    """The padded exchange reads nothing back to the host: .tolist() / .item() raise inside."""
+    if not enabled:
+        yield
+        return
+    saved = torch.Tensor.tolist, torch.Tensor.item
+
+    def refuse(*_, **__):
+        raise AssertionError("a2a_splits='padded' read a tensor on the host")
+
+    torch.Tensor.tolist = torch.Tensor.item = refuse
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = saved
+
+
 def main():
     out_dir, case, impl, ep = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     dist.init_process_group("gloo")
@@ -57,8 +78,9 @@ def main():
         layer.experts.w2.copy_(full.experts.w2[sl])
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     x_r = x[rows].clone().requires_grad_(True)
-    y = layer(x_r)
-    (y * dy[rows]).sum().backward()
+    with no_host_reads(enabled=layer.cfg.a2a_splits == "padded"):
+        y = layer(x_r)
+        (y * dy[rows]).sum().backward()
     local = {n: p.grad.clone() for n, p in layer.named_parameters()}
     GradReducer.for_groups(list(layer.parameters()), groups).reduce()
     reduced = {n: p.grad.clone() for n, p in layer.named_parameters()}

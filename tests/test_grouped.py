@@ -323,3 +323,36 @@ def test_second_backward_is_a_clear_error(device):
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         y.sum().backward()
+
+
+def test_padding_rows_are_skipped(device):
+    """Experts(skip_padding=True), as a2a_splits='padded' uses it: rows with id E (padding, some
+    in the middle, the last ones too) are neither computed nor read; the valid rows' outputs and
+    every gradient equal the float64 loop over the valid rows alone."""
+    from megatron_moe import MoEConfig
+    from megatron_moe.experts import Experts
+
+    T, H, F, E = 29, 20, 18, 4
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, E, (T, 1), generator=gen)
+    ids[5:12] = E
+    ids[-4:] = E
+    valid = ids[:, 0] < E
+    x = torch.randn(T, H, generator=gen)
+    w1 = torch.randn(E, H, F, generator=gen) / math.sqrt(H)
+    w2 = torch.randn(E, F, H, generator=gen) / math.sqrt(F)
+    dy = torch.randn(T, H, generator=gen)
+    experts = Experts(MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, mlp_impl="grouped", block_size=16))
+    leaves = [t.to(device, copy=True).requires_grad_() for t in (x, w1, w2)]
+    y, _ = experts(leaves[0], ids.to(device), torch.ones(T, 1, device=device), w1=leaves[1], w2=leaves[2],
+                   skip_padding=True)
+    (y[valid.to(device)] * dy[valid].to(device)).sum().backward()
+
+    ref = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+    y_ref = loop_mlp(ref[0][valid], ref[1], ref[2], ids[valid], torch.ones(int(valid.sum()), 1, dtype=torch.float64),
+                     "gelu")
+    y_ref.backward(dy[valid].double())
+    assert rel_err(y[valid.to(device)].detach().cpu(), y_ref) < TOL[torch.float32]
+    assert rel_err(leaves[0].grad[valid.to(device)].cpu(), ref[0].grad[valid]) < TOL[torch.float32]
+    for got, want in zip(leaves[1:], ref[1:]):
+        assert rel_err(got.grad.cpu(), want.grad) < TOL[torch.float32]

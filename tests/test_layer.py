@@ -326,6 +326,8 @@ def test_shared_expert_adds_dense_mlp():
     (dict(block_size=100), "block_size"),
     (dict(capacity_factor=0), "capacity_factor"),
     (dict(jitter_eps=1.5), "jitter_eps"),
+    (dict(a2a_splits="exact"), "a2a_splits"),
+    (dict(a2a_splits="padded", mlp_impl="blocksparse"), "a2a_splits"),
     (dict(aux_loss_coeff=-1), "aux_loss_coeff"),
     (dict(normalize_top_k="yes"), "normalize_top_k"),
     (dict(shared_expert_ffn_hidden_size=-2), "shared_expert_ffn_hidden_size"),
