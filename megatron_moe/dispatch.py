@@ -125,8 +125,6 @@ class _A2AContext:
     send_splits: list[int]
     recv_splits: list[int]
     weights_TK: torch.Tensor
-    num_tokens: int
-    top_k: int
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -140,7 +138,7 @@ class AllToAllDispatcher(Dispatcher):
         self.num_local_experts = num_experts // self.num_ranks
 
     def dispatch(self, x_TH, expert_ids_TK, weights_TK):
-        T, K = expert_ids_TK.shape
+        K = expert_ids_TK.shape[1]
         P, El = self.num_ranks, self.num_local_experts
         ids_N = expert_ids_TK.reshape(-1)
         # Counts per global expert: chunk p of [E] goes to rank p, which gets [P, El] back (rows
@@ -160,7 +158,7 @@ class AllToAllDispatcher(Dispatcher):
         local_ids = torch.arange(El, device=ids_N.device).repeat(P)
         ids_recv = torch.repeat_interleave(local_ids, recv_counts_PEl, output_size=sum(recv_splits))
         ones_R1 = torch.ones(ids_recv.shape[0], 1, device=x_TH.device, dtype=torch.float32)
-        ctx = _A2AContext(order_N, send_splits, recv_splits, weights_TK, T, K)
+        ctx = _A2AContext(order_N, send_splits, recv_splits, weights_TK)
         return x_recv, ids_recv[:, None], ones_R1, ctx
 
     def combine(self, y_RH, ctx: _A2AContext):

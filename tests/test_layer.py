@@ -174,63 +174,52 @@ def test_weights_interchangeable_between_impls(impl):
 # ------------------------------------------------------------------------- capacity-factor MoE
 
 
+def capacity_loop(x, wr, w1, w2, top_k, C):
+    """Independent capacity MoE, differentiable: walk the assignments k-major (token order within
+    each k), count per expert, serve the first C. Returns (y [T, H], assignments kept)."""
+    top = torch.topk(torch.softmax(x @ wr.t(), -1), top_k, -1)
+    used, rows, kept = [0] * wr.shape[0], [torch.zeros_like(x[0])] * x.shape[0], 0
+    for k in range(top_k):
+        for t in range(x.shape[0]):
+            e = top.indices[t, k].item()
+            if used[e] < C:
+                used[e] += 1
+                kept += 1
+                rows[t] = rows[t] + top.values[t, k] * (F.gelu(x[t] @ w1[e], approximate="tanh") @ w2[e])
+    return torch.stack(rows), kept
+
+
 def test_capacity_drops_exactly_the_overflow():
     """k-major, token-order priority: per expert the first `capacity` assignments are served."""
     cfg = cfg_(mlp_impl="capacity", num_experts=4, top_k=2, capacity_factor=1.0)
-    layer = make_layer(cfg)
+    layer = make_layer(cfg).double()
     T = 24
     x = torch.randn(T, cfg.hidden_size, dtype=torch.float64)
-    layer = layer.double()
     y = layer(x)
     C = math.ceil(1.0 * T * 2 / 4)
     assert cfg.capacity(T) == C
-    # independent loop: walk the assignments k-major, count per expert, keep the first C.
     with torch.no_grad():
-        probs = torch.softmax(x @ layer.router.weight.t(), -1)
-        top = torch.topk(probs, 2, -1)
-        used = [0] * 4
-        y_ref = torch.zeros_like(x)
-        kept = 0
-        for k in range(2):
-            for t in range(T):
-                e = top.indices[t, k].item()
-                if used[e] < C:
-                    used[e] += 1
-                    kept += 1
-                    a = F.gelu(x[t] @ layer.experts.w1[e], approximate="tanh")
-                    y_ref[t] += top.values[t, k] * (a @ layer.experts.w2[e])
+        y_ref, kept = capacity_loop(x, layer.router.weight, layer.experts.w1, layer.experts.w2, 2, C)
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)  # the router runs in fp32
     assert layer.dropped_fraction.item() == pytest.approx(1 - kept / (2 * T))
     assert kept < 2 * T, "the case must actually drop something"
 
 
 def test_capacity_gradients_with_drops_match_a_loop():
-    """The backward through the drop (spare slot, zero weight): every gradient equals autograd
-    through a plain loop that serves the first C assignments per expert, float64."""
+    """The backward through the drop: every gradient equals autograd through the loop, float64."""
     cfg = cfg_(mlp_impl="capacity", num_experts=4, top_k=2, capacity_factor=1.0)
     layer = make_layer(cfg).double()
     T = 21
     x = torch.randn(T, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
     g = torch.randn(T, cfg.hidden_size, dtype=torch.float64)
     (layer(x) * g).sum().backward()
-    C = cfg.capacity(T)
-    x2 = x.detach().clone().requires_grad_(True)
-    wr, w1, w2 = (p.detach().clone().requires_grad_(True)
-                  for p in (layer.router.weight, layer.experts.w1, layer.experts.w2))
-    top = torch.topk(torch.softmax(x2 @ wr.t(), -1), 2, -1)
-    used, rows, kept = [0] * 4, [torch.zeros(cfg.hidden_size, dtype=torch.float64)] * T, 0
-    for k in range(2):
-        for t in range(T):
-            e = top.indices[t, k].item()
-            if used[e] < C:
-                used[e] += 1
-                kept += 1
-                rows[t] = rows[t] + top.values[t, k] * (F.gelu(x2[t] @ w1[e], approximate="tanh") @ w2[e])
+    ref = [t.detach().clone().requires_grad_(True)
+           for t in (x, layer.router.weight, layer.experts.w1, layer.experts.w2)]
+    y_ref, kept = capacity_loop(*ref, 2, cfg.capacity(T))
     assert kept < 2 * T, "the case must actually drop something"
-    (torch.stack(rows) * g).sum().backward()
-    for got, want in ((x.grad, x2.grad), (layer.router.weight.grad, wr.grad),
-                      (layer.experts.w1.grad, w1.grad), (layer.experts.w2.grad, w2.grad)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # the router runs in fp32
+    (y_ref * g).sum().backward()
+    for got, want in zip((x, layer.router.weight, layer.experts.w1, layer.experts.w2), ref):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)  # the router runs in fp32
 
 
 def test_capacity_all_to_one_expert_drops_the_rest():
