@@ -137,18 +137,22 @@ class AllToAllDispatcher(Dispatcher):
                              f"{self.num_ranks}: choose expert_parallel_size dividing num_experts")
         self.num_local_experts = num_experts // self.num_ranks
 
+    def _exchange_counts(self, ids_N):
+        """Starts the count exchange and, while it runs, sorts the assignments by expert (hence by
+        destination rank). Counts are per global expert: chunk p of [E] goes to rank p, which gets
+        [P, El] back (rows per source rank and local expert), enough to rebuild the received rows'
+        local expert ids without exchanging them. Returns (send_counts_E, recv_counts_PEl, work,
+        order_N); ``work.wait()`` before reading recv_counts_PEl."""
+        send_counts_E = count_ids(ids_N, self.num_ranks * self.num_local_experts)
+        recv_counts_PEl = torch.empty_like(send_counts_E)
+        work = dist.all_to_all_single(recv_counts_PEl, send_counts_E, group=self.group, async_op=True)
+        return send_counts_E, recv_counts_PEl, work, torch.argsort(ids_N, stable=True)
+
     def dispatch(self, x_TH, expert_ids_TK, weights_TK):
         K = expert_ids_TK.shape[1]
         P, El = self.num_ranks, self.num_local_experts
         ids_N = expert_ids_TK.reshape(-1)
-        # Counts per global expert: chunk p of [E] goes to rank p, which gets [P, El] back (rows
-        # per source rank and local expert), enough to rebuild the received rows' local expert
-        # ids without exchanging them.
-        send_counts_E = count_ids(ids_N, P * El)
-        recv_counts_PEl = torch.empty_like(send_counts_E)
-        work = dist.all_to_all_single(recv_counts_PEl, send_counts_E, group=self.group, async_op=True)
-        # overlaps the count exchange: the local permutation by expert (hence by destination rank)
-        order_N = torch.argsort(ids_N, stable=True)
+        send_counts_E, recv_counts_PEl, work, order_N = self._exchange_counts(ids_N)
         x_send = x_TH[torch.div(order_N, K, rounding_mode="floor")]
         work.wait()
         send_recv_P = torch.stack([send_counts_E.view(P, El).sum(1), recv_counts_PEl.view(P, El).sum(1)])
@@ -197,10 +201,7 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         N = C = T * K
         dev = x_TH.device
         ids_N = expert_ids_TK.reshape(-1)
-        send_counts_E = count_ids(ids_N, P * El)
-        recv_counts_PEl = torch.empty_like(send_counts_E)
-        work = dist.all_to_all_single(recv_counts_PEl, send_counts_E, group=self.group, async_op=True)
-        order_N = torch.argsort(ids_N, stable=True)
+        send_counts_E, recv_counts_PEl, work, order_N = self._exchange_counts(ids_N)
         dest_N = torch.div(ids_N[order_N], El, rounding_mode="floor")  # sorted, so grouped by rank
         send_P = send_counts_E.view(P, El).sum(1)
         first_P = torch.cumsum(send_P, 0) - send_P
