@@ -10,10 +10,13 @@
 #     WAVE_3="dmoe-small-ep4:dmoe-small:0,1,2,3:4" bash benchmarks/multi_gpu.sh     # 4 GPUs, EP 1/2/4
 #
 # A wave is one WAVE_n variable (defaults below, each can be set from outside): runs
-# "name:config:gpus:ep" separated by spaces, started together on the GPUs listed (ep =
-# expert_parallel_size, 0 = dense; a name ends in -epN or -dpN, N the GPUs). Waves are
-# skipped once DEADLINE seconds (default 560) are near, so what ran still comes back.
-# MOE_EXTRA: overrides for the MoE runs, e.g. MOE_EXTRA="model.moe.a2a_splits=padded".
+# "name:config:gpus:ep[:overrides]" separated by spaces, started together on the GPUs listed
+# (ep = expert_parallel_size, 0 = dense; overrides comma-separated, e.g.
+# "dmoe-small-ep4-padded:dmoe-small:0,1,2,3:4:model.moe.a2a_splits=padded"). A name is
+# CONFIG-epN or CONFIG-dpN (N the GPUs), optionally followed by variant words (-padded,
+# -sigmoid-padded); scaling is against the same CONFIG on the fewest GPUs whose variant words
+# are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are skipped once DEADLINE seconds (default 560) are
+# near, so what ran still comes back. MOE_EXTRA: overrides for every MoE run.
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
 # table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
@@ -41,10 +44,11 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 # the default corpus and tokenizer once, before runs start side by side
 python3 -m megatron_moe.data_prep --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
 
-run_one() {  # name config gpus ep
-  local name=$1 cfg=$2 gpus=$3 ep=$4 n extra=()
+run_one() {  # name config gpus ep [overrides]
+  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n extra=()
   n=$(tr ',' '\n' <<< "$gpus" | wc -l)
   [[ $ep -gt 0 ]] && extra+=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-})
+  [[ -n $own ]] && extra+=(${own//,/ })
   local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
@@ -66,8 +70,8 @@ for w in ${WAVES:-1 2 3 4 5 6 7}; do
   if (( SECONDS - START > DEADLINE - 75 )); then echo "== wave $w skipped (deadline)"; continue; fi
   echo "== wave $w at $((SECONDS - START)) s: ${!var}"
   for spec in ${!var}; do
-    IFS=: read -r name cfg gpus ep <<< "$spec"
-    run_one "$name" "$cfg" "$gpus" "$ep" &
+    IFS=: read -r name cfg gpus ep own <<< "$spec"
+    run_one "$name" "$cfg" "$gpus" "$ep" "$own" &
   done
   wait
 done
@@ -80,24 +84,26 @@ for p in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
     name = os.path.basename(p)[:-6]
     r = [json.loads(l) for l in open(p)]
     r = [x for x in r if x.get("tokens_per_s") and x["step"] > steps // 4]  # past compile / autotune
-    m = re.match(r"(.+)-(ep|dp)(\d+)$", name)
+    m = re.match(r"(.+?)-(ep|dp)(\d+)((?:-[A-Za-z0-9.]+)*)$", name)
     if not r or not m:
         continue
     n = int(m.group(3))
     a2a = [x["a2a_ms"] for x in r if x.get("a2a_ms") is not None]
-    rows[name] = dict(config=m.group(1), gpus=n, tokens_per_s_per_gpu=st.median(x["tokens_per_s"] for x in r) / n,
+    rows[name] = dict(config=m.group(1), variant=set(m.group(4).split("-")) - {""}, gpus=n, tokens_per_s_per_gpu=st.median(x["tokens_per_s"] for x in r) / n,
                       step_time_s=st.median(x["step_time_s"] for x in r), a2a_ms=st.median(a2a) if a2a else 0.0,
                       a2a_fraction=st.median(x.get("a2a_fraction", 0.0) for x in r),
                       tflops_per_gpu=st.median(x.get("tflops_per_gpu") or 0.0 for x in r),
                       mfu=st.median(x.get("mfu") or 0.0 for x in r),
                       peak_mem_gb=max(x.get("peak_mem_gb") or 0.0 for x in r))
-for name, row in rows.items():  # against the same config on the fewest GPUs that ran
-    base = min((x for x in rows.values() if x["config"] == row["config"]), key=lambda x: x["gpus"])
+for name, row in rows.items():  # against the same config on the fewest GPUs, sharing most of its variant words
+    base = min((x for x in rows.values() if x["config"] == row["config"] and x["variant"] <= row["variant"]),
+               key=lambda x: (x["gpus"], -len(x["variant"])))
     row["vs"] = f"{row['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f} of {base['gpus']} GPU"
-json.dump(rows, open(os.path.join(out, "scaling.json"), "w"), indent=1)
-print(f"{'run':<17} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7}")
+json.dump({k: dict(v, variant=sorted(v["variant"])) for k, v in rows.items()},
+          open(os.path.join(out, "scaling.json"), "w"), indent=1)
+print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7}")
 for name, r in sorted(rows.items(), key=lambda kv: (kv[1]["config"], kv[1]["gpus"])):
-    print(f"{name:<17} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
+    print(f"{name:<30} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
           f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f}")
 EOF
 # one file to carry back (the device tool returns a limited number of files): TARBALL=1

@@ -47,6 +47,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -61,7 +62,8 @@ from typing import Iterable, Iterator, Sequence
 FORMAT_VERSION = 1
 """Bump when the prepared layout or the tokenization changes: old caches are then ignored."""
 DEFAULT_CORPUS_BYTES = 4_000_000
-"""Size of the default corpus (Python stdlib sources, whole files in sorted order)."""
+"""Size of the default corpus (Python stdlib sources, whole files in sorted order); the
+``data.default_corpus_mb`` of a run config overrides it."""
 SEQUENCE_CHARS = 2048
 """Documents are stored as sequences of about this many characters (cut after a newline)."""
 TOKENIZER_TRAIN_CHARS = 10_000_000
@@ -90,6 +92,12 @@ class DataConfig:
 
     paths: list[str] = field(default_factory=list)
     """Text / .jsonl files or directories; empty = the default corpus (Python stdlib sources)."""
+    default_corpus_mb: float = DEFAULT_CORPUS_BYTES / 1e6
+    """Size of the default corpus in MB of source text (~3.8 bytes per token with the default
+    8000-piece tokenizer): the stdlib's sources first, then the installed packages' (site-packages)
+    when more is asked for than the stdlib has (~9 MB). A run that trains on more tokens than
+    this holds repeats it, and its validation loss then measures memorisation: keep it above
+    the tokens trained (the reproduction's configs ask for 200 MB, ~50M tokens)."""
     data_prefix: str | None = None
     """An existing megatron .bin/.idx prefix (skips preparation; exclusive with ``paths``)."""
     tokenizer_type: str = "sentencepiece"
@@ -131,6 +139,9 @@ def validate_data_config(cfg: DataConfig) -> None:
     ):
         _fail("paths", cfg.paths, "a list of file or directory paths ([] = the default corpus)")
     cfg.paths = [os.path.expanduser(str(p)) for p in cfg.paths]
+    mb = cfg.default_corpus_mb
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb <= 0:
+        _fail("default_corpus_mb", mb, "a positive number of megabytes, e.g. 4 (the default) or 200")
     for name in ("data_prefix", "tokenizer_model", "vocab_file", "merges_file"):
         _optional_path(cfg, name)
     if cfg.data_prefix is not None:
@@ -194,32 +205,40 @@ def split_weights(split: str) -> list[float]:
 # ----------------------------------------------------------------------------------------------
 
 
-def default_corpus_files(max_bytes: int | None = None) -> list[Path]:
-    """The default corpus: the stdlib's ``.py`` files in sorted order until ``max_bytes``.
-
-    Tests, vendored packages, generated tables (encodings, pydoc_data) and files over
-    256 KB are left out. Deterministic for a given Python installation.
-    """
-    max_bytes = DEFAULT_CORPUS_BYTES if max_bytes is None else max_bytes
-    root = Path(sysconfig.get_paths()["stdlib"])
+def _source_files(root: Path, skip: set[str]) -> list[Path]:
+    """``.py`` files under ``root`` (0 < size <= 256 KB), sorted by relative path."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("config-", "."))
-        ]
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(("config-", "."))]
         for name in filenames:
             if name.endswith(".py"):
                 path = Path(dirpath, name)
                 size = path.stat().st_size
                 if 0 < size <= _STDLIB_MAX_FILE_BYTES:
-                    found.append((path.relative_to(root).as_posix(), path, size))
-    found.sort()
+                    found.append((path.relative_to(root).as_posix(), path))
+    return [path for _, path in sorted(found)]
+
+
+def default_corpus_files(max_bytes: int | None = None) -> list[Path]:
+    """The default corpus: the stdlib's ``.py`` files in sorted order until ``max_bytes``, then
+    (only if the stdlib holds less) those of the installed packages (site-packages).
+
+    Tests, vendored packages, generated tables (encodings, pydoc_data) and files over
+    256 KB are left out. Deterministic for a given Python installation.
+    """
+    max_bytes = DEFAULT_CORPUS_BYTES if max_bytes is None else max_bytes
+    paths = sysconfig.get_paths()
+    root = Path(paths["stdlib"])
     files, total = [], 0
-    for _, path, size in found:
-        if total >= max_bytes:
+    sources = [(root, _STDLIB_SKIP_DIRS), (Path(paths["purelib"]), _STDLIB_SKIP_DIRS - {"site-packages"})]
+    for src, skip in sources:
+        if total >= max_bytes or not src.is_dir():
             break
-        files.append(path)
-        total += size
+        for path in _source_files(src, skip):
+            if total >= max_bytes:
+                break
+            files.append(path)
+            total += path.stat().st_size
     if not files:
         raise FileNotFoundError(
             f"data.paths is empty and the default corpus (Python stdlib sources under {root}) "
@@ -690,7 +709,8 @@ def prepare_data(data_cfg: DataConfig, *, rank: int = 0,
     _check_tokenizer_files(data_cfg)
     if data_cfg.data_prefix is not None:
         return _existing_prefix(data_cfg)
-    files = resolve_inputs(data_cfg.paths) if data_cfg.paths else default_corpus_files()
+    files = (resolve_inputs(data_cfg.paths) if data_cfg.paths
+             else default_corpus_files(int(data_cfg.default_corpus_mb * 1e6)))
     name = "corpus" if data_cfg.paths else "stdlib"
     cache = Path(data_cfg.cache_dir)
     directory = cache / f"{name}-{_cache_key(data_cfg, files)}"

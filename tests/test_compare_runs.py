@@ -70,3 +70,16 @@ def test_errors(tmp_path):
     a = write_run(tmp_path, "dense", 2.0, 1000.0, [4.0, 3.0])
     with pytest.raises(ValueError, match="--baseline 'nope' is not one of the runs"):
         compare_runs.summarize([compare_runs.load_run(str(a))], "nope", None)
+
+
+def test_first_step_startup_left_out_of_wall_time(tmp_path):
+    d = write_run(tmp_path, "moe", step_time=1.0, tokens_per_s=2000.0, val=[3.5, 2.5])
+    lines = (d / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["step_time_s"] = 31.0  # 30 s of compilation and autotuning on top of a 1 s step
+    (d / "metrics.jsonl").write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    run = compare_runs.load_run(str(d))
+    assert compare_runs.startup_seconds(run) == pytest.approx(30.0)
+    assert [t for t, _ in compare_runs.wall_clock(run)][:3] == pytest.approx([1.0, 2.0, 3.0])
+    rows, _ = compare_runs.summarize([run], None, 3.0)
+    assert rows[0]["time_to_target_s"] == pytest.approx(7.5) and rows[0]["startup_s"] == pytest.approx(30.0)

@@ -166,6 +166,26 @@ def test_default_corpus_exists_is_bounded_and_deterministic():
     assert not any(part in ("test", "tests", "site-packages") for f in full for part in f.parts)
 
 
+def test_default_corpus_continues_into_site_packages():
+    import sysconfig
+
+    std = D._source_files(Path(sysconfig.get_paths()["stdlib"]), D._STDLIB_SKIP_DIRS)
+    std_bytes = sum(f.stat().st_size for f in std)
+    big = D.default_corpus_files(std_bytes + 500_000)
+    assert big[:len(std)] == std  # the whole stdlib first, in the same order
+    extra = big[len(std):]
+    assert extra and all("site-packages" in f.parts for f in extra)
+    assert not any(part in ("test", "tests") for f in extra for part in f.relative_to(
+        sysconfig.get_paths()["purelib"]).parts)
+    assert sum(f.stat().st_size for f in big) >= std_bytes + 500_000
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "big", True])
+def test_default_corpus_mb_invalid(bad):
+    with pytest.raises(ValueError, match=r"data\.default_corpus_mb=.*positive number of megabytes"):
+        DataConfig(default_corpus_mb=bad)
+
+
 def test_default_corpus_tokenizes_and_fills_the_default_split(tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path))  # paths: [] -> stdlib sources, split 969,30,1
     p = prepare_data(cfg)

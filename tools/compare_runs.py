@@ -9,7 +9,10 @@ which hold compilation and autotuning), MFU, micro-batch, peak memory, the final
 loss, the mean dropped-token fraction (capacity models), the wall time to reach the target
 validation loss (linear interpolation between evaluations; default: the worst final validation
 loss among the runs, so every run reaches it) and the speed-ups against the baseline run
-(throughput ratio, and time-to-target ratio).
+(throughput ratio, and time-to-target ratio). Wall time is the sum of the step times with the
+first step counted as a median step: its compilation and Triton autotuning are a one-off
+start-up (printed as "start-up (s)") that a few-minute run would otherwise count in full and a
+real pretraining run would not notice.
 
 Plots (``--plots DIR``): validation loss against wall time and against tokens, throughput
 bars, and expert load (coefficient of variation, mean over layers) over training.
@@ -68,12 +71,26 @@ def _tokens_per_sample(run: Run) -> int | None:
     return (run.config.get("model") or {}).get("seq_length")
 
 
+def _step_times(run: Run) -> list[float]:
+    return [m["step_time_s"] for m in run.steps if isinstance(m.get("step_time_s"), (int, float))]
+
+
+def startup_seconds(run: Run) -> float | None:
+    """The first step's time beyond a median step's (compilation, autotuning): left out of the wall clock."""
+    times = _step_times(run)
+    if len(times) < 2:
+        return None
+    return max(times[0] - statistics.median(times[1:]), 0.0)
+
+
 def wall_clock(run: Run) -> list[tuple[float, dict]]:
-    """(seconds since the start, record) with the time summed over step_time_s."""
-    t, out = 0.0, []
+    """(seconds since the start, record): step_time_s summed, the start-up left out."""
+    skip = startup_seconds(run) or 0.0
+    t, out, first = 0.0, [], True
     for m in run.steps:
         if isinstance(m.get("step_time_s"), (int, float)):
-            t += m["step_time_s"]
+            t += m["step_time_s"] - (skip if first else 0.0)
+            first = False
         out.append((t, m))
     return out
 
@@ -132,6 +149,7 @@ def summarize(runs: list[Run], baseline: str | None, target: float | None) -> tu
             dropped_fraction=(statistics.mean([v for _, v in r.series("dropped_fraction")])
                               if r.series("dropped_fraction") else None),
             time_to_target_s=time_to_loss(r, target) if target is not None else None,
+            startup_s=startup_seconds(r),
             steps=max([m.get("step", 0) for m in r.steps], default=0),
         )
         rows.append(row)
@@ -150,7 +168,7 @@ COLUMNS = [("run", "run", "{}"), ("tokens_per_s_per_gpu", "tokens/s/GPU", "{:,.0
            ("tflops_per_gpu", "TFLOP/s/GPU", "{:.1f}"), ("mfu", "MFU", "{:.1%}"),
            ("micro_batch", "micro-batch", "{}"), ("peak_mem_gb", "peak GB", "{:.1f}"),
            ("final_val_loss", "val loss", "{:.3f}"), ("dropped_fraction", "dropped", "{:.1%}"),
-           ("time_to_target_s", "time to target (s)", "{:.0f}"),
+           ("time_to_target_s", "time to target (s)", "{:.0f}"), ("startup_s", "start-up (s)", "{:.0f}"),
            ("throughput_speedup", "throughput x", "{:.2f}"), ("time_to_target_speedup", "time-to-target x", "{:.2f}")]
 
 
