@@ -16,7 +16,9 @@
 # CONFIG-epN or CONFIG-dpN (N the GPUs), optionally followed by variant words (-padded,
 # -sigmoid-padded); scaling is against the same CONFIG on the fewest GPUs whose variant words
 # are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are skipped once DEADLINE seconds (default 560) are
-# near, so what ran still comes back. MOE_EXTRA: overrides for every MoE run.
+# near, so what ran still comes back. MOE_EXTRA: overrides for every MoE run. Medians over
+# the steps after MEASURE_FROM (default STEPS/4); "busiest" is the busiest expert's share of
+# the tokens, averaged over MoE layers (1/E balanced, 1 collapsed), median over those steps.
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
 # table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
@@ -29,6 +31,7 @@ fi
 [[ -e megatron_moe/kernels ]] || ln -sfn ../kernels megatron_moe/kernels
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 STEPS=${STEPS:-30}; MB=${MB:-8}; ACC=${ACC:-2}; DEADLINE=${DEADLINE:-560}
+MEASURE_FROM=${MEASURE_FROM:-$((STEPS / 4))}  # medians over the steps after this one (compile, autotune before)
 PROFILE_RUN=${PROFILE_RUN:-dmoe-small-ep8}; PROFILE_STEP=${PROFILE_STEP:-$((STEPS - 5))}
 WAVE_1=${WAVE_1:-"dmoe-small-ep1:dmoe-small:0:1 gpt-small-dp1:gpt-small:1:0 gpt-medium-dp1:gpt-medium:2:0 moe-small-ep1:moe-small:3:1 dmoe-small-ep4:dmoe-small:4,5,6,7:4"}
 WAVE_2=${WAVE_2:-"dmoe-small-ep8:dmoe-small:0,1,2,3,4,5,6,7:8"}
@@ -76,14 +79,19 @@ for w in ${WAVES:-1 2 3 4 5 6 7}; do
   wait
 done
 
-python3 - "$OUT" "$STEPS" <<'EOF'
+python3 - "$OUT" "$MEASURE_FROM" <<'EOF'
 import glob, json, os, re, statistics as st, sys
-out, steps = sys.argv[1], int(sys.argv[2])
+out, first = sys.argv[1], int(sys.argv[2])
+def busiest(x):  # mean over MoE layers of the busiest expert's share of the tokens (0: dense)
+    v = [val for k, val in x.items() if k.endswith("/max_share")]
+    return sum(v) / len(v) if v else 0.0
+
+
 rows = {}
 for p in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
     name = os.path.basename(p)[:-6]
     r = [json.loads(l) for l in open(p)]
-    r = [x for x in r if x.get("tokens_per_s") and x["step"] > steps // 4]  # past compile / autotune
+    r = [x for x in r if x.get("tokens_per_s") and x["step"] > first]  # past compile / autotune
     m = re.match(r"(.+?)-(ep|dp)(\d+)((?:-[A-Za-z0-9.]+)*)$", name)
     if not r or not m:
         continue
@@ -94,17 +102,18 @@ for p in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
                       a2a_fraction=st.median(x.get("a2a_fraction", 0.0) for x in r),
                       tflops_per_gpu=st.median(x.get("tflops_per_gpu") or 0.0 for x in r),
                       mfu=st.median(x.get("mfu") or 0.0 for x in r),
-                      peak_mem_gb=max(x.get("peak_mem_gb") or 0.0 for x in r))
+                      peak_mem_gb=max(x.get("peak_mem_gb") or 0.0 for x in r),
+                      busiest=st.median(busiest(x) for x in r))
 for name, row in rows.items():  # against the same config on the fewest GPUs, sharing most of its variant words
     base = min((x for x in rows.values() if x["config"] == row["config"] and x["variant"] <= row["variant"]),
                key=lambda x: (x["gpus"], -len(x["variant"])))
     row["vs"] = f"{row['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f} of {base['gpus']} GPU"
 json.dump({k: dict(v, variant=sorted(v["variant"])) for k, v in rows.items()},
           open(os.path.join(out, "scaling.json"), "w"), indent=1)
-print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7}")
+print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7} {'busiest':>7}")
 for name, r in sorted(rows.items(), key=lambda kv: (kv[1]["config"], kv[1]["gpus"])):
     print(f"{name:<30} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
-          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f}")
+          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f} {r['busiest']:>7.3f}")
 EOF
 # one file to carry back (the device tool returns a limited number of files): TARBALL=1
 [[ "${TARBALL:-0}" == 1 ]] && tar czf "/tmp/multi_gpu.tgz" -C "$OUT" . && mv /tmp/multi_gpu.tgz "$OUT/"
