@@ -18,7 +18,8 @@
 # are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are skipped once DEADLINE seconds (default 560) are
 # near, so what ran still comes back. MOE_EXTRA: overrides for every MoE run. Medians over
 # the steps after MEASURE_FROM (default STEPS/4); "busiest" is the busiest expert's share of
-# the tokens, averaged over MoE layers (1/E balanced, 1 collapsed), median over those steps.
+# the tokens, averaged over MoE layers (1/E balanced, 1 collapsed), median over those steps;
+# "rank imb" the busiest expert-parallel rank's tokens over the mean rank's (metrics.py).
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
 # table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
@@ -103,17 +104,19 @@ for p in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
                       tflops_per_gpu=st.median(x.get("tflops_per_gpu") or 0.0 for x in r),
                       mfu=st.median(x.get("mfu") or 0.0 for x in r),
                       peak_mem_gb=max(x.get("peak_mem_gb") or 0.0 for x in r),
-                      busiest=st.median(busiest(x) for x in r))
+                      busiest=st.median(busiest(x) for x in r),
+                      rank_imbalance=(st.median(x["expert_load/ep_rank_imbalance"] for x in r)
+                                      if all("expert_load/ep_rank_imbalance" in x for x in r) else None))
 for name, row in rows.items():  # against the same config on the fewest GPUs, sharing most of its variant words
     base = min((x for x in rows.values() if x["config"] == row["config"] and x["variant"] <= row["variant"]),
                key=lambda x: (x["gpus"], -len(x["variant"])))
     row["vs"] = f"{row['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f} of {base['gpus']} GPU"
 json.dump({k: dict(v, variant=sorted(v["variant"])) for k, v in rows.items()},
           open(os.path.join(out, "scaling.json"), "w"), indent=1)
-print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7} {'busiest':>7}")
+print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7} {'busiest':>7} {'rank imb':>8}")
 for name, r in sorted(rows.items(), key=lambda kv: (kv[1]["config"], kv[1]["gpus"])):
     print(f"{name:<30} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
-          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f} {r['busiest']:>7.3f}")
+          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f} {r['busiest']:>7.3f} {'-' if r['rank_imbalance'] is None else format(r['rank_imbalance'], '.2f'):>8}")
 EOF
 # one file to carry back (the device tool returns a limited number of files): TARBALL=1
 [[ "${TARBALL:-0}" == 1 ]] && tar czf "/tmp/multi_gpu.tgz" -C "$OUT" . && mv /tmp/multi_gpu.tgz "$OUT/"

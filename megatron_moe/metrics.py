@@ -6,6 +6,7 @@ Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metric
     step, consumed_samples, lm_loss, aux_loss, z_loss, lr, grad_norm, tokens_per_s,
     tflops_per_gpu, mfu, step_time_s, peak_mem_gb, skipped_steps,
     expert_load/layerN/min_share, expert_load/layerN/max_share, expert_load/layerN/cv,
+    expert_load/ep_rank_imbalance, expert_load/layerN/ep_rank_imbalance   (expert parallelism only)
     dropped_fraction, dropped_fraction/layerN      (capacity models only)
     val_loss, val_ppl                              (evaluation steps only)
 
@@ -16,7 +17,10 @@ clipping; tokens_per_s counts the global batch over the step's wall time; tflops
 flops_per_token (megatron_moe/flops.py: forward + backward, as in the paper) x tokens_per_s /
 GPUs; mfu = tflops_per_gpu / the GPU's dense bf16 peak (flops.peak_tflops); peak_mem_gb =
 torch.cuda.max_memory_allocated in GB (1e9 bytes). Expert load: share of the step's
-token->expert assignments (all ranks) per expert; cv = population std / mean of the counts.
+token->expert assignments (all ranks) per expert; cv = population std / mean of the counts;
+ep_rank_imbalance = the busiest expert-parallel rank's assignments over the mean rank's (its
+experts' counts summed; 1 = balanced, P = all on one of P ranks; the top-level key averages the
+layers): under expert parallelism the other ranks wait for the busiest at every exchange.
 ``mfu`` and ``peak_mem_gb`` are null on the CPU; non-finite numbers are written as null.
 W&B runs offline unless WANDB_API_KEY is set (or ``logging.wandb_mode: online``); its files go
 under ``run_dir/wandb``; the run id is kept in ``run_dir/wandb_run_id`` so a resumed run
@@ -42,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLogger", "expert_load_stats", "format_line", "wandb_mode"]
+__all__ = ["MetricsLogger", "ep_rank_imbalance", "expert_load_stats", "format_line", "wandb_mode"]
 
 
 def wandb_mode(setting: str) -> str:
@@ -66,6 +70,26 @@ def expert_load_stats(tokens_per_expert_LE: torch.Tensor, names: list[str]) -> d
         out[f"expert_load/{name}/max_share"] = float(share.max())
         mean = c.mean()
         out[f"expert_load/{name}/cv"] = float(c.std(unbiased=False) / mean)
+    return out
+
+
+def ep_rank_imbalance(tokens_per_expert_LE: torch.Tensor, names: list[str], ep_size: int) -> dict[str, float]:
+    """Per MoE layer: max over expert-parallel ranks of the assignments to that rank's experts
+    (rank r holds the r-th contiguous block of E / ep_size experts) over their mean; and the
+    mean over layers as ``expert_load/ep_rank_imbalance``. Empty when ep_size is 1."""
+    if ep_size <= 1:
+        return {}
+    counts = tokens_per_expert_LE.detach().double().cpu()
+    L, E = counts.shape
+    if E % ep_size:
+        raise ValueError(f"ep_rank_imbalance: {E} experts do not split over ep_size={ep_size} ranks")
+    per_rank = counts.reshape(L, ep_size, E // ep_size).sum(-1)
+    out: dict[str, float] = {}
+    for name, r in zip(names, per_rank):
+        if float(r.sum()) > 0:
+            out[f"expert_load/{name}/ep_rank_imbalance"] = float(r.max() / r.mean())
+    if out:
+        out["expert_load/ep_rank_imbalance"] = sum(out.values()) / len(out)
     return out
 
 

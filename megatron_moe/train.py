@@ -69,7 +69,7 @@ import torch.distributed as dist
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint,
                          verify_checkpoint)
 from .dispatch import exchange_time_ms
-from .metrics import MetricsLogger, expert_load_stats, format_line
+from .metrics import MetricsLogger, ep_rank_imbalance, expert_load_stats, format_line
 from .parallel import GradReducer, clip_grad_norm, init_parallel_groups
 from .run_config import ConfigError, RunConfig, load_config
 
@@ -547,7 +547,9 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                 if peak:
                     m["mfu"] = m["tflops_per_gpu"] / peak
             if tpe is not None:
-                m.update(expert_load_stats(packed[3 + n_layers:-1].reshape(n_layers, -1), layer_names))
+                tpe_LE = packed[3 + n_layers:-1].reshape(n_layers, -1)
+                m.update(expert_load_stats(tpe_LE, layer_names))
+                m.update(ep_rank_imbalance(tpe_LE, layer_names, ep))
             if capacity and n_layers:
                 per_layer = packed[3:3 + n_layers] / denom
                 m["dropped_fraction"] = float(per_layer.mean())

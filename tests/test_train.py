@@ -24,7 +24,7 @@ import torch.nn as nn
 from megatron_moe.checkpoint import (CheckpointError, get_rng_state, latest_checkpoint,
                                      load_checkpoint, save_checkpoint, set_rng_state,
                                      verify_checkpoint)
-from megatron_moe.metrics import MetricsLogger, expert_load_stats
+from megatron_moe.metrics import MetricsLogger, ep_rank_imbalance, expert_load_stats
 from megatron_moe.run_config import load_config
 from megatron_moe.parallel import GradReducer, clip_grad_norm
 from megatron_moe.train import MicroBatchSampler, TrainError, build_optimizer, lr_at, train
@@ -343,6 +343,26 @@ def test_expert_load_stats():
     assert s["expert_load/layer3/cv"] == pytest.approx(float(c.std(unbiased=False) / c.mean()))
 
 
+def test_ep_rank_imbalance():
+    # 8 experts over 2 ranks (experts 0-3, 4-7) and over 4 ranks (pairs); a plain loop as reference
+    counts = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 1], [6.0, 0, 0, 0, 1, 0, 0, 1], [0.0] * 8])
+    names = ["layer1", "layer2", "layer3"]
+    assert ep_rank_imbalance(counts, names, 1) == {}
+    for ep in (2, 4):
+        s = ep_rank_imbalance(counts, names, ep)
+        want = {}
+        for name, row in zip(names[:2], counts[:2].tolist()):
+            per = [sum(row[r * 8 // ep:(r + 1) * 8 // ep]) for r in range(ep)]
+            want[name] = max(per) / (sum(per) / ep)
+        assert s["expert_load/layer1/ep_rank_imbalance"] == pytest.approx(1.0)
+        assert s["expert_load/layer2/ep_rank_imbalance"] == pytest.approx(want["layer2"])
+        assert "expert_load/layer3/ep_rank_imbalance" not in s  # no tokens: no ratio
+        assert s["expert_load/ep_rank_imbalance"] == pytest.approx((1.0 + want["layer2"]) / 2)
+    assert ep_rank_imbalance(torch.tensor([[0.0, 0, 9, 0]]), ["l"], 4)["expert_load/l/ep_rank_imbalance"] == 4.0
+    with pytest.raises(ValueError, match="8 experts do not split over ep_size=3"):
+        ep_rank_imbalance(counts, names, 3)
+
+
 def test_metrics_logger_truncates_on_resume_and_writes_null(tmp_path):
     class Cfg:
         class logging:
@@ -490,6 +510,9 @@ def test_expert_parallel_training_matches_and_reshards(workdir, straight):
     want = [r["lm_loss"] for r in _metrics(straight)]
     got = [r["lm_loss"] for r in _metrics(run_dir)]
     assert len(got) == STEPS and got == pytest.approx(want, abs=5e-5)
+    imb = [r["expert_load/ep_rank_imbalance"] for r in _metrics(run_dir)]  # 1 (balanced) to 2 (one rank)
+    assert len(imb) == STEPS and all(1.0 <= v <= 2.0 for v in imb)
+    assert not any("ep_rank_imbalance" in k for r in _metrics(straight) for k in r)
 
     to1 = _overrides(workdir, "ep2to1", "logging.wandb=false", "model.moe.expert_parallel_size=1")
     out = _run(to1 + ["--resume"])
