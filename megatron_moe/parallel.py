@@ -88,11 +88,22 @@ class GradReducer:
     over the group and divided by ``dense_divisor``/``expert_divisor`` (default: the group's
     size). ``GradReducer.for_groups`` sets them for expert parallelism: the expert group is the
     expert-data-parallel group while both divisors stay the world size (module docstring).
+
+    ``overlap=True`` (``train.overlap_grad_reduce``): call ``arm()`` before the step's last
+    backward; each bucket's all-reduce then starts (async) as soon as the backward has
+    accumulated every gradient in it, in a fixed bucket order (the same on every rank: buckets
+    follow the parameters in reverse, about the order the backward produces them), while the
+    backward goes on. At most ``IN_FLIGHT_BUCKETS`` flattened copies exist at a time: the oldest
+    is then waited for (on a GPU, a stream dependency, not a host wait) and written back.
+    ``reduce()`` finishes: it reduces what did not start (unused parameters) and writes the rest
+    back. Same result as without overlap.
     """
+
+    IN_FLIGHT_BUCKETS = 4
 
     def __init__(self, params: list[torch.nn.Parameter], *, dense_group=None, expert_group=None,
                  dense_divisor: int | None = None, expert_divisor: int | None = None,
-                 bucket_numel: int = BUCKET_NUMEL):
+                 bucket_numel: int = BUCKET_NUMEL, overlap: bool = False):
         self.dense = [p for p in params if not is_expert_param(p)]
         self.expert = [p for p in params if is_expert_param(p)]
         self.groups = []
@@ -101,6 +112,30 @@ class GradReducer:
             size = _group_size(group)
             self.groups.append((ps, group, size, div or size))
         self.bucket_numel = bucket_numel
+        self.overlap = overlap and any(size > 1 for _, _, size, _ in self.groups)
+        self._armed = False
+        self._divisor = {id(group): div for _, group, size, div in self.groups if size > 1}
+        if self.overlap:
+            # one bucket order for both groups: the parameters in reverse (about the backward's
+            # order), a new bucket at each change of group, dtype or past bucket_numel elements
+            group_of = {id(p): group for ps, group, size, _ in self.groups if size > 1 for p in ps}
+            self._plan, n = [], 0
+            for p in reversed(params):
+                if id(p) not in group_of:
+                    continue
+                group = group_of[id(p)]
+                if self._plan:
+                    bucket, g = self._plan[-1]
+                    if g is group and p.dtype == bucket[0].dtype and n + p.numel() <= self.bucket_numel:
+                        bucket.append(p)
+                        n += p.numel()
+                        continue
+                self._plan.append(([p], group))
+                n = p.numel()
+            self._bucket_of = {id(p): i for i, (bucket, _) in enumerate(self._plan) for p in bucket}
+            for p in params:
+                if id(p) in self._bucket_of and p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
 
     @classmethod
     def for_groups(cls, params, groups: ParallelGroups, **kw) -> "GradReducer":
@@ -122,8 +157,48 @@ class GradReducer:
         if bucket:
             yield bucket
 
+    # ------------------------------------------------------------------ overlapped reduction
+    def arm(self) -> None:
+        """The next backward is the step's last: start each bucket's all-reduce when it is ready."""
+        if not self.overlap:
+            return
+        self._armed = True
+        self._pending = [len(bucket) for bucket, _ in self._plan]
+        self._in_flight: list[tuple[int, torch.Tensor, object]] = []  # (bucket, flat, work), oldest first
+        self._next = 0  # buckets start in index order only (the same order on every rank)
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return
+        i = self._bucket_of[id(p)]
+        self._pending[i] -= 1
+        while self._next < len(self._plan) and self._pending[self._next] == 0:
+            self._start(self._next)
+            self._next += 1
+
+    def _start(self, i: int) -> None:
+        bucket, group = self._plan[i]
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        self._in_flight.append((i, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        while len(self._in_flight) > self.IN_FLIGHT_BUCKETS:
+            self._complete()
+
+    def _complete(self) -> None:
+        """Wait for the oldest bucket in flight, divide, write it back into the grads."""
+        i, flat, work = self._in_flight.pop(0)
+        work.wait()
+        bucket, group = self._plan[i]
+        flat.div_(self._divisor[id(group)])
+        offset = 0
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
     @torch.no_grad()
     def reduce(self) -> None:
+        if self._armed:
+            return self._finish()
         for params, group, size, divisor in self.groups:
             for p in params:
                 if p.grad is None:  # unused this step on this rank: still take part
@@ -140,6 +215,21 @@ class GradReducer:
                 for g in grads:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
+
+    def _finish(self) -> None:
+        self._armed = False
+        for params, _, size, divisor in self.groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if size == 1 and divisor != 1:  # nothing to exchange: only the scaling
+                for p in params:
+                    p.grad.div_(divisor)
+        while self._next < len(self._plan):  # buckets with an unused parameter: now, in order
+            self._start(self._next)
+            self._next += 1
+        while self._in_flight:
+            self._complete()
 
     @torch.no_grad()
     def broadcast_params(self, model: torch.nn.Module) -> None:

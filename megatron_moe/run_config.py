@@ -110,6 +110,10 @@ class TrainConfig:
     save_final: bool = True
     """Save a checkpoint at the last step (false for throwaway runs such as the reproduction's,
     whose final checkpoints would only cost time and disk; exit_interval stops still save)."""
+    overlap_grad_reduce: bool = False
+    """Data/expert-data parallelism: start each gradient bucket's all-reduce during the step's
+    last backward, as soon as its gradients are complete, instead of after it (as Megatron's
+    --overlap-grad-reduce); the same update. Off by default until measured on GPUs."""
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms; on GPUs also
     CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring): identical losses for identical seeds on the
@@ -149,7 +153,7 @@ class TrainConfig:
                 _fail(f"train.{f}", v, "expected a number in [0, 1)")
         if not _is_num(self.adam_eps) or self.adam_eps <= 0:
             _fail("train.adam_eps", self.adam_eps, "expected a number > 0")
-        for f in ("bf16", "deterministic", "save_final"):
+        for f in ("bf16", "deterministic", "save_final", "overlap_grad_reduce"):
             if not isinstance(getattr(self, f), bool):
                 _fail(f"train.{f}", getattr(self, f), "expected true or false")
         if self.lr_warmup_iters > self.decay_iters:

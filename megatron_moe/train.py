@@ -412,7 +412,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     model = build_gpt_model(mc)
     model.train()
     params = [p for _, p in _unique_params(model)]
-    reducer = GradReducer.for_groups(params, groups)
+    reducer = GradReducer.for_groups(params, groups, overlap=tc.overlap_grad_reduce)
     reducer.broadcast_params(model)
     optimizer = build_optimizer(model, tc, device)
     layers = moe_layers(model)
@@ -494,6 +494,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                 lm = _forward_loss(model, batch, amp)
                 if micro == 0 and step + 1 in faults:  # test hook: a diverged step
                     lm = lm * faults[step + 1]
+                if micro == num_micro - 1:
+                    reducer.arm()  # overlap_grad_reduce: buckets reduce during this backward
                 (lm / num_micro).backward()
                 lm_sum += lm.detach()
                 for i, layer in enumerate(layers):

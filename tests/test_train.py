@@ -183,6 +183,20 @@ def test_data_parallel_two_ranks_matches_one(workdir, straight):
     assert got == pytest.approx(want, abs=2e-5)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_overlap_grad_reduce_matches_plain(workdir, ep):
+    """train.overlap_grad_reduce (bucket all-reduces started during the last backward) gives the
+    plain reduction's losses: 2 gloo ranks, 2 micro-batches each, data and expert parallelism."""
+    losses = {}
+    for overlap in ("false", "true"):
+        name = f"ovl-ep{ep}-{overlap}"
+        _run(_overrides(workdir, name, "logging.wandb=false", "train.exit_interval=4", "train.micro_batch_size=2",
+                        f"model.moe.expert_parallel_size={ep}", f"train.overlap_grad_reduce={overlap}"),
+             nproc=2, OMP_NUM_THREADS="1")
+        losses[overlap] = [r["lm_loss"] for r in _metrics(workdir / "runs" / name)]
+    assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], abs=1e-6)
+
+
 def test_capacity_model_logs_dropped_fraction(workdir, straight):
     _run(_overrides(workdir, "capacity", "logging.wandb=false", "train.exit_interval=2",
                     "model.moe.mlp_impl=capacity", "model.moe.capacity_factor=1.0"))
