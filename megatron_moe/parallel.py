@@ -114,23 +114,23 @@ class GradReducer:
         self.bucket_numel = bucket_numel
         self.overlap = overlap and any(size > 1 for _, _, size, _ in self.groups)
         self._armed = False
-        self._divisor = {id(group): div for _, group, size, div in self.groups if size > 1}
         if self.overlap:
             # one bucket order for both groups: the parameters in reverse (about the backward's
             # order), a new bucket at each change of group, dtype or past bucket_numel elements
-            group_of = {id(p): group for ps, group, size, _ in self.groups if size > 1 for p in ps}
-            self._plan, n = [], 0
+            kind_of = {id(p): k for k, (ps, _, size, _) in enumerate(self.groups) if size > 1 for p in ps}
+            self._plan: list[tuple[list[torch.nn.Parameter], int]] = []  # (bucket, index into groups)
+            n = 0
             for p in reversed(params):
-                if id(p) not in group_of:
+                if id(p) not in kind_of:
                     continue
-                group = group_of[id(p)]
+                k = kind_of[id(p)]
                 if self._plan:
-                    bucket, g = self._plan[-1]
-                    if g is group and p.dtype == bucket[0].dtype and n + p.numel() <= self.bucket_numel:
+                    bucket, last = self._plan[-1]
+                    if last == k and p.dtype == bucket[0].dtype and n + p.numel() <= self.bucket_numel:
                         bucket.append(p)
                         n += p.numel()
                         continue
-                self._plan.append(([p], group))
+                self._plan.append(([p], k))
                 n = p.numel()
             self._bucket_of = {id(p): i for i, (bucket, _) in enumerate(self._plan) for p in bucket}
             for p in params:
@@ -178,7 +178,8 @@ class GradReducer:
             self._next += 1
 
     def _start(self, i: int) -> None:
-        bucket, group = self._plan[i]
+        bucket, k = self._plan[i]
+        group = self.groups[k][1]
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         self._in_flight.append((i, flat, dist.all_reduce(flat, group=group, async_op=True)))
         while len(self._in_flight) > self.IN_FLIGHT_BUCKETS:
@@ -188,8 +189,8 @@ class GradReducer:
         """Wait for the oldest bucket in flight, divide, write it back into the grads."""
         i, flat, work = self._in_flight.pop(0)
         work.wait()
-        bucket, group = self._plan[i]
-        flat.div_(self._divisor[id(group)])
+        bucket, k = self._plan[i]
+        flat.div_(self.groups[k][3])
         offset = 0
         for p in bucket:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
