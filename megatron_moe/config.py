@@ -38,8 +38,8 @@ class MoEConfig:
     """Expert parallelism only: how the token all-to-all is sized. 'host': exact split sizes,
     read on the host once per layer forward (one sync). 'padded': no host sync; every rank sends
     each peer a fixed block of tokens*top_k rows (the worst case, so nothing is dropped), P times
-    the bytes and the MoE activation memory of 'host' for P ranks: for ranks on one NVLink
-    domain, where the per-layer sync costs more than the extra bytes. grouped/reference only."""
+    the bytes and the MoE activation memory of 'host' for P ranks. grouped/reference only.
+    Measured on 4 H200 (dmoe-small, 2026-11-22, benchmarks/NOTES.md): no faster than 'host'."""
     capacity_factor: float = 1.0
     """mlp_impl='capacity' only: each expert takes at most ceil(cf * tokens * top_k / E)."""
     normalize_top_k: bool = False

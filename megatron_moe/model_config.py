@@ -96,7 +96,7 @@ class MoESection:
     a2a_splits: str = "host"
     """Expert parallelism: 'host' (exact all-to-all splits, one host sync per layer forward) or
     'padded' (no host sync, worst-case fixed blocks: P x the exchanged bytes and MoE activation
-    memory; for ranks on one NVLink domain; grouped/reference only)."""
+    memory; grouped/reference only; no faster than 'host' on 4 H200, benchmarks/NOTES.md)."""
 
     def __post_init__(self) -> None:
         p = "model.moe"

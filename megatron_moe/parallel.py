@@ -190,11 +190,7 @@ class GradReducer:
         i, flat, work = self._in_flight.pop(0)
         work.wait()
         bucket, k = self._plan[i]
-        flat.div_(self.groups[k][3])
-        offset = 0
-        for p in bucket:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        _unflatten_into([p.grad for p in bucket], flat.div_(self.groups[k][3]))
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -211,11 +207,7 @@ class GradReducer:
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 if size > 1:
                     dist.all_reduce(flat, group=group)
-                flat.div_(divisor)
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                _unflatten_into(grads, flat.div_(divisor))
 
     def _finish(self) -> None:
         self._armed = False
@@ -247,6 +239,14 @@ class GradReducer:
         for b in model.buffers():
             if not (nccl and not b.is_cuda):  # NCCL moves CUDA tensors only
                 dist.broadcast(b, src=0)
+
+
+def _unflatten_into(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive slices of the flat bucket back into its gradients."""
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class _SelfGroup:
