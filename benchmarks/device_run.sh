@@ -2,6 +2,8 @@
 # One call on a lent GPU machine: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
 #   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [quick]
+# TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
+# TRAIN_CONFIGS / TRAIN_OVERRIDES ('train') narrow a stage.
 # The machine has torch/triton/sentencepiece; megatron-core travels as a wheel in .whl/.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -20,7 +22,7 @@ summary=()
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
-    tests/test_layer.py tests/test_grouped.py tests/test_blocksparse.py tests/test_metadata.py tests/test_model.py \
+    ${TESTS:-tests/test_layer.py tests/test_grouped.py tests/test_blocksparse.py tests/test_metadata.py tests/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -36,7 +38,7 @@ if [[ $stages == *" profile "* ]]; then
 fi
 if [[ $stages == *" bench "* ]]; then
   if [[ $stages == *" quick "* ]]; then extra="--warmup-ms 25 --rep-ms 100"; else extra=""; fi
-  python3 benchmarks/bench_layer.py $extra --out "$OUT/bench_layer.json" 2>&1 | tee "$OUT/bench.log" | tail -n 25
+  python3 benchmarks/bench_layer.py $extra ${BENCH_ARGS:-} --out "$OUT/bench_layer.json" 2>&1 | tee "$OUT/bench.log" | tail -n 25
 fi
 if [[ $stages == *" train "* ]]; then
   # short bf16 runs (global batch 64 x 1024 tokens); checkpoints stay on the machine

@@ -123,11 +123,18 @@ def gemm_calls(p):
 def gemm_rows(shape, device):
     p = gemm_problems(shape, device)
     flops = 2 * p["S"] * p["H"] * p["F"]
+    from megatron_moe.kernels import grouped as G
+
     rows = []
     for name, fn in gemm_calls(p).items():
+        G.clear_tuning_cache()  # tune here, so best_config is this GEMM's
         fn()
+        kern = G._grouped_wgrad_kernel if name.startswith("wgrad") else G._grouped_gemm_kernel
+        best = getattr(kern, "best_config", None)
         ms = _bench(fn)
-        rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9))
+        rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9,
+                         config=None if best is None else dict(best.kwargs, warps=best.num_warps,
+                                                               stages=best.num_stages)))
     a = p["x"][p["tok"].long()].contiguous()
     offs = p["off"][1:].contiguous()
     ms = _bench(lambda: torch._grouped_mm(a, p["w1"], offs=offs))
@@ -139,11 +146,14 @@ def gemm_rows(shape, device):
     return rows, p
 
 
-SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH
-    (64, 64, 64, 4, 4, 0), (64, 128, 64, 4, 4, 0), (128, 64, 64, 4, 4, 0), (128, 128, 64, 8, 3, 0),
-    (128, 128, 64, 8, 4, 0), (128, 256, 64, 8, 3, 0), (128, 256, 64, 8, 4, 0), (128, 256, 32, 8, 4, 0),
-    (64, 128, 64, 4, 4, 1), (128, 64, 64, 4, 4, 1), (128, 128, 64, 8, 3, 1), (128, 128, 64, 8, 4, 1),
-    (64, 256, 64, 4, 3, 0), (128, 128, 64, 4, 3, 0),
+SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT (programs per SM)
+    (64, 64, 64, 4, 4, 0, 0), (64, 128, 64, 4, 4, 0, 0), (128, 64, 64, 4, 4, 0, 0), (128, 128, 64, 8, 3, 0, 0),
+    (128, 128, 64, 8, 4, 0, 0), (128, 256, 64, 8, 3, 0, 0), (128, 256, 64, 8, 4, 0, 0), (128, 256, 32, 8, 4, 0, 0),
+    (64, 128, 64, 4, 4, 1, 0), (128, 64, 64, 4, 4, 1, 0), (128, 128, 64, 8, 3, 1, 0), (128, 128, 64, 8, 4, 1, 0),
+    (64, 256, 64, 4, 3, 0, 0), (128, 128, 64, 4, 3, 0, 0),
+    (128, 256, 64, 8, 3, 0, 1), (128, 256, 64, 8, 4, 0, 1), (128, 128, 64, 8, 3, 0, 1), (128, 128, 64, 8, 4, 0, 1),
+    (128, 128, 64, 8, 3, 1, 1), (128, 128, 64, 8, 4, 1, 1), (128, 128, 64, 4, 3, 0, 2), (64, 128, 64, 4, 4, 0, 2),
+    (128, 64, 64, 4, 4, 0, 2), (64, 128, 64, 4, 4, 1, 2),
 ]
 SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
     (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 2),
@@ -160,7 +170,8 @@ def sweep(p, device, only=None):
     flops = 2 * p["S"] * p["H"] * p["F"]
     calls = gemm_calls(p)
     out = []
-    for kern, space, names in ((G._grouped_gemm_kernel, SWEEP_GEMM, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH")),
+    gemm_names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH", "PERSISTENT")
+    for kern, space, names in ((G._grouped_gemm_kernel, SWEEP_GEMM, gemm_names),
                                (G._grouped_wgrad_kernel, SWEEP_WGRAD, ("BLOCK_K", "BLOCK_N", "BLOCK_S"))):
         saved = kern.configs
         for name, fn in calls.items():
@@ -175,7 +186,7 @@ def sweep(p, device, only=None):
                     continue  # PREFETCH only changes the backward epilogues
                 meta = dict(zip(names, cfg[:3] + cfg[5:]))
                 kern.configs = [triton.Config(meta, num_warps=cfg[3], num_stages=cfg[4])]
-                kern.cache.clear()
+                G.clear_tuning_cache()
                 try:
                     got = fn()
                     got = [t.float() for t in (got if isinstance(got, tuple) else (got,))]
@@ -193,7 +204,7 @@ def sweep(p, device, only=None):
                     best = (cfg, ms)
             print(f"  sweep {name:<28} best {best[0]} {flops / best[1] / 1e9:6.1f} TFLOP/s", flush=True)
         kern.configs = saved
-        kern.cache.clear()
+        G.clear_tuning_cache()
     return out
 
 
@@ -275,7 +286,11 @@ def main(argv=None):
         rows, p = gemm_rows(shape, device)
         res["gemms"] = rows
         for r in rows:
-            print(f"[{cname}] gemm {r['gemm']:<36} {r['ms']:.3f} ms {r['tflops']:6.1f} TFLOP/s", flush=True)
+            cfg = r.get("config") or {}
+            tile = " ".join(f"{k[6:]}{cfg[k]}" for k in ("BLOCK_M", "BLOCK_S", "BLOCK_N", "BLOCK_K") if k in cfg)
+            extra = f" {tile} w{cfg['warps']} s{cfg['stages']}" if cfg else ""
+            extra += " persistent" * bool(cfg.get("PERSISTENT")) + " prefetch" * bool(cfg.get("PREFETCH"))
+            print(f"[{cname}] gemm {r['gemm']:<36} {r['ms']:.3f} ms {r['tflops']:6.1f} TFLOP/s{extra}", flush=True)
         if not args.no_sweep:
             res["sweep"] = sweep(p, device, [o for o in args.sweep_only.split(",") if o])
         del p

@@ -12,9 +12,12 @@ S, or less when the rows past it are padding: nothing is computed or written for
   weight, recomputing act). See :func:`grouped_gemm_dact`.
 * :func:`grouped_wgrad`: dw[e] = Σ_{s in e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0).
 
-The row-grouped kernel launches over an upper bound of M tiles (``max_row_blocks``, about
-cdiv(S, BLOCK_M) + E) times the N tiles; each program finds its expert on the device (cumsum of
-the per-expert tile counts), programs past the last tile exit. Nothing is read back to the host.
+The row-grouped kernel launches either one program per tile over an upper bound of M tiles
+(``max_row_blocks``, about cdiv(S, BLOCK_M) + E) times the N tiles, programs past the last tile
+exiting, or (PERSISTENT configs) a grid of one or two programs per SM that walk the tiles in a
+flattened loop, so one tile's epilogue overlaps the next tile's loads. Either way each tile
+finds its expert on the device (cumsum of the per-expert tile counts); nothing is read back to
+the host.
 
 Legend (shape suffixes). In this file N is a GEMM's output width; the S sorted positions are
 metadata.py's N assignments:
@@ -24,6 +27,7 @@ metadata.py's N assignments:
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -41,7 +45,8 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configs (one small config under the interpreter: benchmarking there is far too slow;
-# MEGATRON_MOE_AUTOTUNE=0 keeps only the first GPU config, e.g. for quick GPU test runs)
+# MEGATRON_MOE_AUTOTUNE=0 keeps only the first GPU config, e.g. for quick GPU test runs;
+# MEGATRON_MOE_PERSISTENT=0 drops the persistent configs of the row-grouped GEMM)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -51,26 +56,45 @@ def _single_config() -> bool:
 
 def _gemm_configs() -> list[triton.Config]:
     if interpret_mode():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PREFETCH": 0}, num_warps=4,
-                              num_stages=1)]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PREFETCH": 0, "PERSISTENT": 0},
+                              num_warps=4, num_stages=1)]
     # H100 sweep (benchmarks/profile_layer.py, notes in benchmarks/NOTES.md): 128x256x64 with 8 warps
     # and 4 stages leads the plain and gelu epilogues; the backward epilogues want <= 128x128
     # (register pressure), some with the pre-activation loaded before the main loop.
-    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH
-        (64, 64, 64, 4, 4, 0),
-        (64, 128, 64, 4, 4, 0),
-        (128, 64, 64, 4, 4, 0),
-        (128, 128, 64, 8, 3, 0),
-        (128, 128, 64, 8, 4, 0),
-        (128, 256, 64, 8, 3, 0),
-        (128, 256, 64, 8, 4, 0),
-        (128, 256, 32, 8, 4, 0),
-        (64, 128, 64, 4, 4, 1),
-        (128, 128, 64, 8, 3, 1),
-        (128, 128, 64, 8, 4, 1),
+    # PERSISTENT p > 0: p programs per SM loop over the tiles (the next tile's loads overlap
+    # this tile's epilogue), 0: one program per tile.
+    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT
+        (64, 64, 64, 4, 4, 0, 0),
+        (64, 128, 64, 4, 4, 0, 0),
+        (128, 64, 64, 4, 4, 0, 0),
+        (128, 128, 64, 8, 3, 0, 0),
+        (128, 128, 64, 8, 4, 0, 0),
+        (128, 256, 64, 8, 3, 0, 0),
+        (128, 256, 64, 8, 4, 0, 0),
+        (128, 256, 32, 8, 4, 0, 0),
+        (64, 128, 64, 4, 4, 1, 0),
+        (128, 128, 64, 8, 3, 1, 0),
+        (128, 128, 64, 8, 4, 1, 0),
+        (128, 256, 64, 8, 3, 0, 1),
+        (128, 128, 64, 8, 3, 0, 1),
+        (128, 128, 64, 8, 4, 0, 1),
+        (128, 128, 64, 8, 3, 1, 1),
+        (128, 128, 64, 4, 3, 0, 2),
+        (64, 128, 64, 4, 4, 0, 2),
     ]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PREFETCH": pf}, num_warps=w, num_stages=s)
-            for m, n, k, w, s, pf in (shapes[:1] if _single_config() else shapes)]
+    if os.environ.get("MEGATRON_MOE_PERSISTENT", "1") == "0":  # A/B: one program per tile only
+        shapes = [c for c in shapes if not c[6]]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PREFETCH": pf, "PERSISTENT": ps},
+                          num_warps=w, num_stages=s)
+            for m, n, k, w, s, pf, ps in (shapes[:1] if _single_config() else shapes)]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid); 4 under the interpreter."""
+    if device_index is None:
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _wgrad_configs() -> list[triton.Config]:
@@ -156,58 +180,32 @@ def _gelu_and_grad(h, FAST: tl.constexpr = False):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=_gemm_configs(), key=["K", "N", "EPILOGUE"],
-                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
 @triton.jit
-def _grouped_gemm_kernel(
-    # pointers
-    a_ptr,  # [M, K] any strides, read through gather_ptr
-    w_ptr,  # [E, K, N] any strides (swiglu: [E, K, 2N], gate half first)
-    out_ptr,  # [S, N]: result / pre-activation (swiglu: [S, 2N]) / dL/d(pre) (dswiglu: [S, 2N]);
-    #           the backward epilogues may write it over pre_ptr (same rows and strides)
-    act_ptr,  # [S, N]: activation (gelu, swiglu), times act_scale(s) when HAS_ACT_SCALE
-    pre_ptr,  # [S, N] (dswiglu: [S, 2N]): saved pre-activation, read by dgelu / dswiglu
-    dscale_ptr,  # fp32 [S, num_slots]: partial Σ_n g·act of dgelu / dswiglu
-    scale_ptr,  # fp32 [S] per sorted position
-    act_scale_ptr,  # fp32 [S] per sorted position (gelu / swiglu: multiplies the activation only)
-    gather_ptr,  # int [S]: row of a read by sorted position s
-    scatter_ptr,  # int [S]: row of out / act / pre / dscale written by sorted position s
-    offsets_ptr,  # int32 [E+1]: expert segments of the sorted positions
-    # sizes
-    K, N, E, num_slots,
-    # strides
-    stride_am, stride_ak,
-    stride_we, stride_wk, stride_wn,
-    stride_om, stride_actm, stride_prem,
-    # meta-parameters
-    EPILOGUE: tl.constexpr,  # "none", "gelu", "swiglu", "dgelu" or "dswiglu"
-    HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_ACT_SCALE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
-    DOT_F32: tl.constexpr,  # upcast the tl.dot operands (interpreter: its 16-bit dot is wrong)
-    FAST_MATH: tl.constexpr,  # hardware tanh in the activation epilogues (16-bit outputs on a GPU)
-    BLOCK_E: tl.constexpr, SLOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # backward epilogues: load the pre-activation before the main loop
-):
-    pid = tl.program_id(0)
-    num_tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_tiles_n  # consecutive programs share the rows of a (L2 reuse)
-    pid_n = pid % num_tiles_n
-
-    # Which expert owns M tile pid_m: count the experts whose inclusive tile cumsum <= pid_m.
-    e_idx = tl.arange(0, BLOCK_E)
-    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
-    tiles_cum_E = tl.cumsum(tiles_E, axis=0)
+def _tile_coords(tile, tiles_cum_E, tiles_E, e_idx, offsets_ptr, num_tiles_n, BLOCK_M: tl.constexpr):
+    """(expert, first sorted row, end of the expert's rows, N tile) of output tile ``tile``; expert
+    == E past the last tile. Consecutive tiles share their rows (L2 reuse of a's rows)."""
+    pid_m = tile // num_tiles_n
+    pid_n = tile % num_tiles_n
+    # the expert owning M tile pid_m: the experts whose inclusive tile cumsum is <= pid_m
     expert = tl.sum((tiles_cum_E <= pid_m).to(tl.int32), axis=0)
-    if expert >= E:  # past the last tile of the last expert
-        return
     first_tile = tl.sum(tl.where(e_idx == expert, tiles_cum_E - tiles_E, 0), axis=0)
     seg_end = tl.load(offsets_ptr + expert + 1)
     row0 = tl.load(offsets_ptr + expert) + (pid_m - first_tile) * BLOCK_M
+    return expert, row0, seg_end, pid_n
 
+
+@triton.jit
+def _gemm_tile(
+    expert, row0, seg_end, pid_n,
+    a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr, gather_ptr, scatter_ptr,
+    K, N, num_slots,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
+    EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_ACT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, FAST_MATH: tl.constexpr,
+    SLOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile of expert ``expert`` (rows row0.. of its segment)."""
     offs_s = row0 + tl.arange(0, BLOCK_M)
     mask_s = offs_s < seg_end
     rows_a = _rows(gather_ptr, offs_s, mask_s, HAS_GATHER)
@@ -300,6 +298,74 @@ def _grouped_gemm_kernel(
         offs_slot = pid_n * (BLOCK_N // SLOT) + offs_j
         tl.store(dscale_ptr + rows_o[:, None] * num_slots + offs_slot[None, :], part,
                  mask=mask_s[:, None] & (offs_slot < num_slots)[None, :])
+
+
+@triton.autotune(configs=_gemm_configs(), key=["K", "N", "EPILOGUE"],
+                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
+@triton.jit
+def _grouped_gemm_kernel(
+    # pointers
+    a_ptr,  # [M, K] any strides, read through gather_ptr
+    w_ptr,  # [E, K, N] any strides (swiglu: [E, K, 2N], gate half first)
+    out_ptr,  # [S, N]: result / pre-activation (swiglu: [S, 2N]) / dL/d(pre) (dswiglu: [S, 2N]);
+    #           the backward epilogues may write it over pre_ptr (same rows and strides)
+    act_ptr,  # [S, N]: activation (gelu, swiglu), times act_scale(s) when HAS_ACT_SCALE
+    pre_ptr,  # [S, N] (dswiglu: [S, 2N]): saved pre-activation, read by dgelu / dswiglu
+    dscale_ptr,  # fp32 [S, num_slots]: partial Σ_n g·act of dgelu / dswiglu
+    scale_ptr,  # fp32 [S] per sorted position
+    act_scale_ptr,  # fp32 [S] per sorted position (gelu / swiglu: multiplies the activation only)
+    gather_ptr,  # int [S]: row of a read by sorted position s
+    scatter_ptr,  # int [S]: row of out / act / pre / dscale written by sorted position s
+    offsets_ptr,  # int32 [E+1]: expert segments of the sorted positions
+    # sizes
+    K, N, E, num_slots,
+    # strides
+    stride_am, stride_ak,
+    stride_we, stride_wk, stride_wn,
+    stride_om, stride_actm, stride_prem,
+    # meta-parameters
+    EPILOGUE: tl.constexpr,  # "none", "gelu", "swiglu", "dgelu" or "dswiglu"
+    HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_ACT_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
+    DOT_F32: tl.constexpr,  # upcast the tl.dot operands (interpreter: its 16-bit dot is wrong)
+    FAST_MATH: tl.constexpr,  # hardware tanh in the activation epilogues (16-bit outputs on a GPU)
+    BLOCK_E: tl.constexpr, SLOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,  # backward epilogues: load the pre-activation before the main loop
+    PERSISTENT: tl.constexpr,  # 0: one program per tile; 1: the grid loops over the tiles, flattened
+):
+    pid = tl.program_id(0)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    e_idx = tl.arange(0, BLOCK_E)
+    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
+    tiles_cum_E = tl.cumsum(tiles_E, axis=0)
+    if PERSISTENT:
+        # every program walks the tiles pid, pid + grid, ...; flatten=True lets the software
+        # pipeline load the next tile's operands while this tile's epilogue runs
+        num_tiles = tl.sum(tiles_E, axis=0) * num_tiles_n
+        for tile in tl.range(pid, num_tiles, tl.num_programs(0), flatten=True):
+            expert, row0, seg_end, pid_n = _tile_coords(tile, tiles_cum_E, tiles_E, e_idx, offsets_ptr,
+                                                        num_tiles_n, BLOCK_M)
+            _gemm_tile(expert, row0, seg_end, pid_n,
+                       a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
+                       gather_ptr, scatter_ptr, K, N, num_slots,
+                       stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
+                       EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION, DOT_F32,
+                       FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH)
+    else:
+        expert, row0, seg_end, pid_n = _tile_coords(pid, tiles_cum_E, tiles_E, e_idx, offsets_ptr,
+                                                    num_tiles_n, BLOCK_M)
+        if expert >= E:  # past the last tile of the last expert (the grid is an upper bound)
+            return
+        _gemm_tile(expert, row0, seg_end, pid_n,
+                   a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
+                   gather_ptr, scatter_ptr, K, N, num_slots,
+                   stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
+                   EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION, DOT_F32,
+                   FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,30 +483,61 @@ def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale
     return S
 
 
+# Tuned launches: once the autotuner has chosen a config for a launch key (its own key, the
+# tensors' dtypes and the meta-parameters), later launches call the JIT function with that config
+# directly, skipping the autotuner's per-call work (host time; benchmarks/NOTES.md).
+_TUNED: dict = {}
+
+
+def clear_tuning_cache() -> None:
+    """Forget every tuned config (the autotuners' and the launch cache): the next launches tune
+    again, e.g. after a change of a kernel's ``configs``."""
+    _TUNED.clear()
+    _grouped_gemm_kernel.cache.clear()
+    _grouped_wgrad_kernel.cache.clear()
+
+
+def _launch(kernel, grid, args, meta, tune_key):
+    """``kernel[grid](*args, **meta)``: through the autotuner the first time per key, then directly."""
+    if interpret_mode():
+        kernel[grid](*args, **meta)
+        return
+    key = (kernel.fn.__name__, tune_key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
+           tuple(meta.items()))
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        kernel[grid](*args, **meta)
+        if getattr(kernel, "best_config", None) is not None:
+            _TUNED[key] = kernel.best_config
+    else:
+        kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
+
+
 def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue, gather_S, scatter_S, scale_S,
                  act_scale_S=None):
     S, E, K = out.shape[0], w_EKN.shape[0], a_MK.shape[1]
     dummy = offsets_E1
     num_slots = dscale.shape[1] if dscale is not None else 0
+    sms = _num_sms(a_MK.device.index if a_MK.is_cuda else None)
 
     def grid(meta):
-        return (max_row_blocks(S, E, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
+        tiles = max_row_blocks(S, E, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, sms * meta["PERSISTENT"]) if meta["PERSISTENT"] else tiles,)
 
-    _grouped_gemm_kernel[grid](
-        a_MK, w_EKN, out, act if act is not None else out, pre if pre is not None else out,
-        dscale if dscale is not None else dummy, scale_S if scale_S is not None else dummy,
-        act_scale_S if act_scale_S is not None else dummy,
-        gather_S if gather_S is not None else dummy, scatter_S if scatter_S is not None else dummy,
-        offsets_E1,
-        K, N, E, num_slots,
-        a_MK.stride(0), a_MK.stride(1),
-        w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
-        out.stride(0), act.stride(0) if act is not None else 0, pre.stride(0) if pre is not None else 0,
-        EPILOGUE=epilogue, HAS_GATHER=gather_S is not None, HAS_SCATTER=scatter_S is not None,
-        HAS_SCALE=scale_S is not None, HAS_ACT_SCALE=act_scale_S is not None,
-        FAST_MATH=out.dtype != torch.float32 and not interpret_mode(), BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT,
-        **_dot_args(a_MK.dtype),
-    )
+    args = (a_MK, w_EKN, out, act if act is not None else out, pre if pre is not None else out,
+            dscale if dscale is not None else dummy, scale_S if scale_S is not None else dummy,
+            act_scale_S if act_scale_S is not None else dummy,
+            gather_S if gather_S is not None else dummy, scatter_S if scatter_S is not None else dummy,
+            offsets_E1,
+            K, N, E, num_slots,
+            a_MK.stride(0), a_MK.stride(1),
+            w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
+            out.stride(0), act.stride(0) if act is not None else 0, pre.stride(0) if pre is not None else 0)
+    meta = dict(EPILOGUE=epilogue, HAS_GATHER=gather_S is not None, HAS_SCATTER=scatter_S is not None,
+                HAS_SCALE=scale_S is not None, HAS_ACT_SCALE=act_scale_S is not None,
+                FAST_MATH=out.dtype != torch.float32 and not interpret_mode(),
+                BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT, **_dot_args(a_MK.dtype))
+    _launch(_grouped_gemm_kernel, grid, args, meta, (K, N))
 
 
 def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
@@ -521,16 +618,15 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
         return (E * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]),)
 
     dummy = offsets_E1
-    _grouped_wgrad_kernel[grid](
-        a_MK, b_MN, out, scale_S if scale_S is not None else dummy,
-        gather_a_S if gather_a_S is not None else dummy, gather_b_S if gather_b_S is not None else dummy,
-        offsets_E1,
-        K, N,
-        a_MK.stride(0), a_MK.stride(1), b_MN.stride(0), b_MN.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, HAS_SCALE=scale_S is not None,
-        **_dot_args(a_MK.dtype),
-    )
+    args = (a_MK, b_MN, out, scale_S if scale_S is not None else dummy,
+            gather_a_S if gather_a_S is not None else dummy, gather_b_S if gather_b_S is not None else dummy,
+            offsets_E1,
+            K, N,
+            a_MK.stride(0), a_MK.stride(1), b_MN.stride(0), b_MN.stride(1),
+            out.stride(0), out.stride(1), out.stride(2))
+    meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
+                HAS_SCALE=scale_S is not None, **_dot_args(a_MK.dtype))
+    _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
 
 

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from megatron_moe.kernels import grouped as G
 from megatron_moe.kernels.metadata import routing_metadata
@@ -161,9 +162,26 @@ def kernel_inputs(kind, T, E, K, device, seed=0):
     return r, S, scale, gen
 
 
+@pytest.fixture(params=[False, True], ids=["per-tile", "persistent"])
+def gemm_schedule(request, monkeypatch):
+    """The row-grouped kernel one program per tile (its first config), or persistent: the same
+    tile config with PERSISTENT=1 on a grid of 2 programs, so each program walks several tiles."""
+    if request.param:
+        kern = G._grouped_gemm_kernel
+        base = kern.configs[0]
+        cfg = triton.Config(dict(base.kwargs, PERSISTENT=1), num_warps=base.num_warps, num_stages=base.num_stages)
+        monkeypatch.setattr(kern, "configs", [cfg])
+        monkeypatch.setattr(G, "_num_sms", lambda device_index: 2)
+        G.clear_tuning_cache()
+        yield True
+        G.clear_tuning_cache()
+    else:
+        yield False
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
-def test_grouped_gemm_kernel(activation, dtype, device):
+def test_grouped_gemm_kernel(activation, dtype, device, gemm_schedule):
     T, E, K, H, F = 17, 5, 2, 35, 19
     r, S, scale, gen = kernel_inputs("random", T, E, K, device)
     a = torch.randn(T, H, generator=gen).to(device, dtype)
@@ -191,7 +209,7 @@ def test_grouped_gemm_kernel(activation, dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_grouped_gemm_dact_kernel(activation, dtype, device):
+def test_grouped_gemm_dact_kernel(activation, dtype, device, gemm_schedule):
     T, E, K, H, F = 17, 5, 2, 35, 19
     r, S, scale, gen = kernel_inputs("sparse", T, E, K, device)
     dy = torch.randn(T, H, generator=gen).to(device, dtype)
