@@ -8,6 +8,7 @@ Providers:
   dense            a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
   torch_grouped_mm sort -> torch._grouped_mm -> gelu -> torch._grouped_mm -> unsort (same router)
   blocksparse, grouped, grouped_mm, capacity (capacity_factor 1): DroplessMoE with that mlp_impl
+  grouped_recompute (not run by default): grouped with recompute_activation (one saved [N, F] tensor)
 
 Every MoE provider runs the whole layer (router, metadata, experts, combine). TFLOP/s counts
 useful expert FLOPs only, 12 * tokens * top_k * hidden * ffn (three GEMMs of 2*T*K*H*F each for
@@ -72,9 +73,10 @@ def build(provider, tokens, hidden, ffn, experts, top_k, device):
 
     if provider == "dense":
         return DenseMLP(hidden, ffn * top_k).to(device, torch.bfloat16)
-    impl = "grouped" if provider == "torch_grouped_mm" else provider
+    impl = "grouped" if provider in ("torch_grouped_mm", "grouped_recompute") else provider
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
-                    activation="gelu", mlp_impl=impl, capacity_factor=1.0, aux_loss_coeff=0.01)
+                    activation="gelu", mlp_impl=impl, capacity_factor=1.0, aux_loss_coeff=0.01,
+                    recompute_activation=provider == "grouped_recompute")
     moe = DroplessMoE(cfg).to(device, torch.bfloat16)
     return GroupedMMMoE(moe) if provider == "torch_grouped_mm" else moe
 

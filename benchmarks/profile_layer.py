@@ -3,6 +3,7 @@
     python benchmarks/profile_layer.py                          # profile + sweep, all configs
     python benchmarks/profile_layer.py --configs paper-moe-m --no-sweep
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
+    python benchmarks/profile_layer.py --cprofile --providers grouped   # host Python time per function
 
 Three views (the layer benchmark's configs and providers):
   1. profile: one step's kernels from torch.profiler (GPU time per kernel name, summed), the GPU
@@ -114,6 +115,8 @@ def gemm_calls(p):
         "bwd dy[t]@w2T +dgelu": lambda: G.grouped_gemm_dact(p["dy"], p["w2"].transpose(1, 2), p["off"], p["pre"],
                                                              "gelu", gather_S=p["tok"], scale_S=p["scale"]),
         "wgrad dw2 actT@dy[t]": lambda: G.grouped_wgrad(p["act"], p["dy"], p["off"], gather_b_S=p["tok"]),
+        "wgrad dw2 w*gelu(pre)T@dy[t]": lambda: G.grouped_wgrad(p["pre"], p["dy"], p["off"], gather_b_S=p["tok"],
+                                                               a_activation="gelu", a_scale_S=p["scale"]),
         "wgrad dw1 x[t]T@dpre": lambda: G.grouped_wgrad(p["x"], p["pre"], p["off"], gather_a_S=p["tok"]),
         "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
                                                        scatter_S=p["order"]),
@@ -252,6 +255,36 @@ def launch_overhead(device, n=200):
     return rows
 
 
+def host_profile(provider, cname, shape, device, steps=50, top=25):
+    """Where the host's time per step goes: cProfile over steps queued back to back (the GPU runs
+    behind; a host-bound step shows here as Python time, not as waiting)."""
+    import cProfile
+    import pstats
+
+    step, model, x = make_step(provider, shape, device)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    host_ms = (time.perf_counter() - t0) / steps * 1e3
+    torch.cuda.synchronize()
+    print(f"[{cname}] {provider}: host {host_ms:.2f} ms/step under cProfile; top {top} by own time "
+          f"(ms per step):", flush=True)
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (fname, line, func), (_, ncalls, tottime, cumtime, _) in rows:
+        where = f"{os.path.basename(fname)}:{line}"
+        print(f"   {tottime / steps * 1e3:7.3f} own {cumtime / steps * 1e3:7.3f} cum  x{ncalls // steps:<4} "
+              f"{func} ({where})")
+    del model, x, step
+    torch.cuda.empty_cache()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -261,10 +294,17 @@ def main(argv=None):
     ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--launch", action="store_true", help="host time per kernel launch, then exit")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="host Python time of the providers' steps (cProfile, top functions), then exit")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     if args.launch:
         launch_overhead(device)
+        return
+    if args.cprofile:
+        for cname in args.configs.split(","):
+            for prov in args.providers.split(","):
+                host_profile(prov, cname, CONFIGS[cname], device)
         return
     result = {}
     for cname in args.configs.split(","):

@@ -10,7 +10,8 @@ S, or less when the rows past it are padding: nothing is computed or written for
   g = dL/d(act); reads the saved pre-activation, writes dL/d(pre) scaled by scale(s), in place
   over the pre-activation if asked, and reduces Σ_n g·act per row, the gradient of the router
   weight, recomputing act). See :func:`grouped_gemm_dact`.
-* :func:`grouped_wgrad`: dw[e] = Σ_{s in e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0).
+* :func:`grouped_wgrad`: dw[e] = Σ_{s in e} A(s)ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0), with
+  A(s) = a[ga(s)] or the activation recomputed from a saved pre-activation (its prologue).
 
 The row-grouped kernel launches either one program per tile over an upper bound of M tiles
 (``max_row_blocks``, about cdiv(S, BLOCK_M) + E) times the N tiles, programs past the last tile
@@ -100,7 +101,8 @@ def _num_sms(device_index: int | None) -> int:
 def _wgrad_configs() -> list[triton.Config]:
     if interpret_mode():
         return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
-    # few rows per expert make the reduction short: fewer stages let two programs share an SM
+    # few rows per expert make the reduction short: fewer stages let two programs share an SM (and
+    # overlap one's store with the other's loads; a persistent schedule measured no better)
     shapes = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
         (64, 64, 64, 4, 4),
         (128, 128, 64, 8, 3),
@@ -173,6 +175,17 @@ def _gelu_and_grad(h, FAST: tl.constexpr = False):
     act = 0.5 * h * (1.0 + t)
     grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
     return act, grad
+
+
+@triton.jit
+def _activation(h, up, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """fp32 activation of a rounded pre-activation: gelu(h), or swiglu silu(h) * up (h the gate);
+    the forward epilogue and the weight gradient's recompute share it, so both round alike."""
+    if ACTIVATION == "gelu":
+        act, _ = _gelu_and_grad(h, FAST)
+        return act
+    else:
+        return h * _sigmoid(h, FAST) * up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,12 +272,11 @@ def _gemm_tile(
         if EPILOGUE == "gelu" or EPILOGUE == "swiglu":
             # activation of the stored (rounded) pre-activation: the backward recomputes the same
             if EPILOGUE == "gelu":
-                act, _ = _gelu_and_grad(pre.to(tl.float32), FAST_MATH)
+                up = pre
             else:
                 up = acc_up.to(out_ty)
                 tl.store(out_ptrs + N, up, mask=mask_o)
-                gate = pre.to(tl.float32)
-                act = gate * _sigmoid(gate, FAST_MATH) * up.to(tl.float32)
+            act = _activation(pre.to(tl.float32), up.to(tl.float32), EPILOGUE, FAST_MATH)
             if HAS_ACT_SCALE:
                 act = act * tl.load(act_scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
             act_ptrs = act_ptr + rows_o[:, None] * stride_actm + offs_n[None, :]
@@ -369,18 +381,20 @@ def _grouped_gemm_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Grouped weight gradient: dw[e] = Σ_{s in e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)])
+# Grouped weight gradient: dw[e] = Σ_{s in e} A(s)ᵀ · (scale(s) · b[gb(s)]),
+#   A(s) = a[ga(s)], or a_scale(s) · act(a[s]) recomputed from a saved pre-activation
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["K", "N"])
+@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A"])
 @triton.jit
 def _grouped_wgrad_kernel(
     # pointers
-    a_ptr,  # [Ma, K] any strides, read through gather_a_ptr
+    a_ptr,  # [Ma, K] any strides, read through gather_a_ptr (ACT_A 'swiglu': [S, 2K] = [gate | up])
     b_ptr,  # [Mb, N] any strides, read through gather_b_ptr
     out_ptr,  # [E, K, N] any strides
-    scale_ptr,  # fp32 [S]
+    scale_ptr,  # fp32 [S]: multiplies b's rows
+    a_scale_ptr,  # fp32 [S]: multiplies the recomputed activation (ACT_A only)
     gather_a_ptr, gather_b_ptr,  # int [S]
     offsets_ptr,  # int32 [E+1]
     # sizes
@@ -391,9 +405,12 @@ def _grouped_wgrad_kernel(
     stride_oe, stride_ok, stride_on,
     # meta-parameters
     HAS_GATHER_A: tl.constexpr, HAS_GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ACT_A: tl.constexpr,  # "none", or "gelu" / "swiglu": A = a_scale · act(a), a the pre-activation
+    HAS_A_SCALE: tl.constexpr, FAST_MATH: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    # one program per [BLOCK_K, BLOCK_N] tile of one expert; consecutive programs share its rows
     pid = tl.program_id(0)
     num_tiles_k = tl.cdiv(K, BLOCK_K)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
@@ -415,8 +432,18 @@ def _grouped_wgrad_kernel(
         rows_a = _rows(gather_a_ptr, offs_s, mask_s, HAS_GATHER_A)
         rows_b = _rows(gather_b_ptr, offs_s, mask_s, HAS_GATHER_B)
         # a tile loaded transposed: [BLOCK_K, BLOCK_S]
-        a_t = tl.load(a_ptr + rows_a[None, :] * stride_am + offs_k[:, None] * stride_ak,
-                      mask=mask_k[:, None] & mask_s[None, :], other=0.0)
+        a_ptrs = a_ptr + rows_a[None, :] * stride_am + offs_k[:, None] * stride_ak
+        mask_a = mask_k[:, None] & mask_s[None, :]
+        a_t = tl.load(a_ptrs, mask=mask_a, other=0.0)
+        if ACT_A != "none":  # the forward's act_out, recomputed from the pre-activation (same rounding)
+            if ACT_A == "swiglu":
+                up = tl.load(a_ptrs + K * stride_ak, mask=mask_a, other=0.0)
+            else:
+                up = a_t
+            act = _activation(a_t.to(tl.float32), up.to(tl.float32), ACT_A, FAST_MATH)
+            if HAS_A_SCALE:
+                act = act * tl.load(a_scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[None, :]
+            a_t = act.to(a_ptr.dtype.element_ty)
         b = tl.load(b_ptr + rows_b[:, None] * stride_bm + offs_n[None, :] * stride_bn,
                     mask=mask_s[:, None] & mask_n[None, :], other=0.0)
         if HAS_SCALE:
@@ -600,11 +627,11 @@ def _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S) 
 
 
 def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
-                         out_dtype=None, out=None):
+                         a_activation=None, a_scale_S=None, out_dtype=None, out=None):
     """Triton launcher of :func:`grouped_wgrad` (``out`` [E, K, N] may be given preallocated)."""
     E = offsets_E1.shape[0] - 1
-    S = _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S)
-    K, N = a_MK.shape[1], b_MN.shape[1]
+    S, K = _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation, a_scale_S)
+    N = b_MN.shape[1]
     if out is None:
         out = torch.empty(E, K, N, device=a_MK.device, dtype=out_dtype or a_MK.dtype)
     if out.shape != (E, K, N):
@@ -619,22 +646,35 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
 
     dummy = offsets_E1
     args = (a_MK, b_MN, out, scale_S if scale_S is not None else dummy,
+            a_scale_S if a_scale_S is not None else dummy,
             gather_a_S if gather_a_S is not None else dummy, gather_b_S if gather_b_S is not None else dummy,
             offsets_E1,
             K, N,
             a_MK.stride(0), a_MK.stride(1), b_MN.stride(0), b_MN.stride(1),
             out.stride(0), out.stride(1), out.stride(2))
     meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
-                HAS_SCALE=scale_S is not None, **_dot_args(a_MK.dtype))
+                HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
+                FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), **_dot_args(a_MK.dtype))
     _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
 
 
-def _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S) -> int:
+def _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation=None,
+                 a_scale_S=None) -> tuple[int, int]:
+    """(S sorted rows, K columns of A = rows of each dw)."""
     if a_MK.dim() != 2 or b_MN.dim() != 2:
         raise ValueError(f"expected 2-D a and b, got {tuple(a_MK.shape)} and {tuple(b_MN.shape)}")
     if a_MK.dtype != b_MN.dtype or a_MK.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"a and b must share one of float32/bfloat16/float16, got {a_MK.dtype} and {b_MN.dtype}")
+    if a_activation not in EPILOGUES:
+        raise ValueError(f"a_activation={a_activation!r}: expected one of {EPILOGUES}")
+    if a_scale_S is not None and a_activation is None:
+        raise ValueError("a_scale_S scales the recomputed activation: pass a_activation='gelu' or 'swiglu'")
+    K = a_MK.shape[1]
+    if a_activation == "swiglu":
+        if K % 2:
+            raise ValueError(f"a_activation='swiglu' needs a = [gate | up] with an even number of columns, got {K}")
+        K //= 2
     E = offsets_E1.shape[0] - 1
     _check_offsets(offsets_E1, E)
     S = _num_sorted(a_MK, gather_a_S)
@@ -643,7 +683,8 @@ def _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S) -> int
     _check_index("gather_a_S", gather_a_S, S, a_MK.device)
     _check_index("gather_b_S", gather_b_S, S, a_MK.device)
     _check_scale(scale_S, S)
-    return S
+    _check_scale(a_scale_S, S, "a_scale_S")
+    return S, K
 
 
 # ----------------------------------------------------------------------------------------------
@@ -690,16 +731,10 @@ def grouped_gemm_reference(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=
     pre = acc.to(out_dtype)
     if activation is None:
         return _scatter_rows(pre, scatter_S)
-    if activation == "gelu":
-        act = gelu_and_grad_reference(pre.float())[0]
-    elif activation == "swiglu":
-        gate, up = pre.float().chunk(2, dim=1)
-        act = F_.silu(gate) * up
-    else:
+    if activation not in EPILOGUES:
         raise ValueError(f"activation={activation!r}: expected one of {EPILOGUES}")
-    if act_scale_S is not None:
-        act = act * act_scale_S[:, None]
-    return _scatter_rows(pre, scatter_S), _scatter_rows(act.to(out_dtype), scatter_S)
+    act = _activation_reference(pre, activation, act_scale_S, out_dtype)
+    return _scatter_rows(pre, scatter_S), _scatter_rows(act, scatter_S)
 
 
 def grouped_gemm_dact_reference(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
@@ -728,14 +763,28 @@ def _dact_elementwise(g, pre_SX, activation, g_scaled=None):
     return dpre, act, (g * act).sum(1)
 
 
+def _activation_reference(pre_SX, activation, act_scale_S, out_dtype):
+    """The forward's act_out from its rounded pre-activation: act_scale(s) · act(pre), in out_dtype."""
+    if activation == "gelu":
+        act = gelu_and_grad_reference(pre_SX.float())[0]
+    else:
+        gate, up = pre_SX.float().chunk(2, dim=1)
+        act = F_.silu(gate) * up
+    if act_scale_S is not None:
+        act = act * act_scale_S[:, None]
+    return act.to(out_dtype)
+
+
 def grouped_wgrad_reference(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
-                            out_dtype=None):
-    _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S)
+                            a_activation=None, a_scale_S=None, out_dtype=None):
+    _, K = _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation, a_scale_S)
     E = offsets_E1.shape[0] - 1
     a = a_MK if gather_a_S is None else a_MK[gather_a_S.long()]
+    if a_activation is not None:
+        a = _activation_reference(a, a_activation, a_scale_S, a_MK.dtype)
     b = b_MN if gather_b_S is None else b_MN[gather_b_S.long()]
     b = b.float() if scale_S is None else (b.float() * scale_S[:, None]).to(b.dtype).float()
-    out = torch.zeros(E, a_MK.shape[1], b_MN.shape[1], device=a_MK.device, dtype=torch.float32)
+    out = torch.zeros(E, K, b_MN.shape[1], device=a_MK.device, dtype=torch.float32)
     for e, lo, hi in _segments(offsets_E1):
         out[e] = a[lo:hi].float().t() @ b[lo:hi]
     return out.to(out_dtype or a_MK.dtype)
@@ -781,11 +830,16 @@ def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=N
     return fn(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S, inplace=inplace)
 
 
-def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None, out_dtype=None):
-    """Grouped weight gradient: dw[e] = Σ_{s of e} a[ga(s)]ᵀ · (scale(s) · b[gb(s)]) → [E, K, N].
+def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
+                  a_activation=None, a_scale_S=None, out_dtype=None):
+    """Grouped weight gradient: dw[e] = Σ_{s of e} A(s)ᵀ · (scale(s) · b[gb(s)]) → [E, K, N].
 
-    Experts without rows get exact zeros. Accumulates in fp32; returns ``out_dtype`` (default a's).
+    A(s) = a[ga(s)], or with ``a_activation`` ('gelu' / 'swiglu') the activation recomputed from
+    the saved pre-activation a (swiglu: [S, 2K] = [gate | up]) times a_scale(s), rounded to a's
+    dtype: exactly what ``grouped_gemm(..., activation=, act_scale_S=)`` wrote as its activation,
+    which then need not be kept for the backward. Experts without rows get exact zeros.
+    Accumulates in fp32; returns ``out_dtype`` (default a's).
     """
     fn = grouped_wgrad_triton if use_triton(a_MK, b_MN, offsets_E1) else grouped_wgrad_reference
     return fn(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S, scale_S=scale_S,
-              out_dtype=out_dtype)
+              a_activation=a_activation, a_scale_S=a_scale_S, out_dtype=out_dtype)

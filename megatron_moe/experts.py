@@ -123,7 +123,8 @@ class Experts(nn.Module):
         if impl == "grouped":
             from .ops.grouped_mlp import grouped_mlp
 
-            return grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
+            return grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation,
+                               recompute_activation=cfg.recompute_activation), None
         if impl == "grouped_mm":
             from .ops.grouped_mm_mlp import grouped_mm_mlp
 

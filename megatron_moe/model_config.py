@@ -72,6 +72,9 @@ class MoESection:
     """mlp_impl='capacity' only: each expert takes at most ceil(cf * tokens * top_k / E) tokens."""
     block_size: int = 128
     """Block size of the block-sparse path (16, 32, 64, 128 or 256)."""
+    recompute_activation: bool = False
+    """mlp_impl grouped: save one [tokens*top_k, ffn] tensor per MoE layer instead of two and
+    recompute the activation in the backward (slower: see MoEConfig.recompute_activation)."""
     aux_loss_coeff: float = 0.01
     """Load-balancing loss coefficient, per MoE layer (summed over layers); 0 = off."""
     z_loss_coeff: float = 0.0
@@ -130,6 +133,7 @@ class MoESection:
                 activation=activation,
                 mlp_impl=self.mlp_impl,
                 block_size=self.block_size,
+                recompute_activation=self.recompute_activation,
                 a2a_splits=self.a2a_splits,
                 capacity_factor=self.capacity_factor,
                 normalize_top_k=self.normalize_top_k,

@@ -70,7 +70,7 @@ def loop_mlp(x, w1, w2, ids, weights, activation):
     return torch.stack(rows)
 
 
-def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0):
+def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0, recompute_activation=False):
     ids_TK, routing = routing_for(kind, T, E, K, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     F1 = 2 * F if activation == "swiglu" else F
@@ -83,7 +83,7 @@ def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0):
     x, w1, w2, dy = (t.to(dtype) for t in (x, w1, w2, dy))
 
     leaves = [t.to(device, copy=True).requires_grad_() for t in (x, w1, w2, wts)]
-    y = grouped_mlp(*leaves, routing, activation)
+    y = grouped_mlp(*leaves, routing, activation, recompute_activation=recompute_activation)
     assert y.dtype == dtype and y.shape == (T, H)
     y.backward(dy.to(device))
 
@@ -100,6 +100,23 @@ def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0):
     return leaves
 
 
+@pytest.fixture(params=[False, True], ids=["per-tile", "persistent"])
+def schedule(request, monkeypatch):
+    """The row-grouped kernel one program per tile (its first config), or persistent: the same
+    tile config with PERSISTENT=1 on a grid of 2 programs, so each program walks several tiles."""
+    if request.param:
+        kern = G._grouped_gemm_kernel
+        base = kern.configs[0]
+        cfg = triton.Config(dict(base.kwargs, PERSISTENT=1), num_warps=base.num_warps, num_stages=base.num_stages)
+        monkeypatch.setattr(kern, "configs", [cfg])
+        monkeypatch.setattr(G, "_num_sms", lambda device_index: 2)
+        G.clear_tuning_cache()
+        yield True
+        G.clear_tuning_cache()
+    else:
+        yield False
+
+
 # ----------------------------------------------------------------------------------------------
 # The op against the float64 loop
 # ----------------------------------------------------------------------------------------------
@@ -114,13 +131,23 @@ OP_CASES = {  # T, H, F, E, K, kind, activation
 
 
 @pytest.mark.parametrize("case", OP_CASES)
-def test_grouped_mlp_fp32(case, device):
+def test_grouped_mlp_fp32(case, device, schedule):
     check_op(*OP_CASES[case], dtype=torch.float32, device=device)
 
 
 @pytest.mark.parametrize("case", ["top_k_eq_num_experts", "empty_experts_top2"])
 def test_grouped_mlp_bf16(case, device):
     check_op(*OP_CASES[case], dtype=torch.bfloat16, device=device)
+
+
+@pytest.mark.parametrize("case", ["16_experts_top1", "top_k_eq_num_experts", "empty_experts_top2"])
+def test_grouped_mlp_recompute_activation(case, device):
+    """Only pre saved, wact recomputed in the dw2 kernel: the same gradients against the float64
+    loop, and the same as saving wact (the recompute rounds as the forward did)."""
+    saved = check_op(*OP_CASES[case], dtype=torch.float32, device=device)
+    recomputed = check_op(*OP_CASES[case], dtype=torch.float32, device=device, recompute_activation=True)
+    for a, b in zip(saved, recomputed):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_grouped_mlp_reference_path(monkeypatch):
@@ -162,26 +189,9 @@ def kernel_inputs(kind, T, E, K, device, seed=0):
     return r, S, scale, gen
 
 
-@pytest.fixture(params=[False, True], ids=["per-tile", "persistent"])
-def gemm_schedule(request, monkeypatch):
-    """The row-grouped kernel one program per tile (its first config), or persistent: the same
-    tile config with PERSISTENT=1 on a grid of 2 programs, so each program walks several tiles."""
-    if request.param:
-        kern = G._grouped_gemm_kernel
-        base = kern.configs[0]
-        cfg = triton.Config(dict(base.kwargs, PERSISTENT=1), num_warps=base.num_warps, num_stages=base.num_stages)
-        monkeypatch.setattr(kern, "configs", [cfg])
-        monkeypatch.setattr(G, "_num_sms", lambda device_index: 2)
-        G.clear_tuning_cache()
-        yield True
-        G.clear_tuning_cache()
-    else:
-        yield False
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", [None, "gelu", "swiglu"])
-def test_grouped_gemm_kernel(activation, dtype, device, gemm_schedule):
+def test_grouped_gemm_kernel(activation, dtype, device, schedule):
     T, E, K, H, F = 17, 5, 2, 35, 19
     r, S, scale, gen = kernel_inputs("random", T, E, K, device)
     a = torch.randn(T, H, generator=gen).to(device, dtype)
@@ -209,7 +219,7 @@ def test_grouped_gemm_kernel(activation, dtype, device, gemm_schedule):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_grouped_gemm_dact_kernel(activation, dtype, device, gemm_schedule):
+def test_grouped_gemm_dact_kernel(activation, dtype, device, schedule):
     T, E, K, H, F = 17, 5, 2, 35, 19
     r, S, scale, gen = kernel_inputs("sparse", T, E, K, device)
     dy = torch.randn(T, H, generator=gen).to(device, dtype)
@@ -261,6 +271,59 @@ def test_grouped_wgrad_kernel(dtype, device):
     b_rows = b[r.sorted_token_N.long()].double() * scale.double()[:, None]
     direct = torch.stack([a[e_S == e].double().t() @ b_rows[e_S == e] for e in range(E)])
     assert rel_err(got, direct) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_grouped_wgrad_activation_prologue(activation, dtype, device):
+    """dw2 from the saved pre-activation: A(s) = a_scale(s) · act(pre[s]) recomputed in the
+    kernel equals the forward kernel's act_out (same rounding) fed to the plain wgrad, and a
+    float64 computation from pre; 70 rows on one expert, none on two (sizes not multiples of 16)."""
+    T, E, K, H, F = 37, 5, 2, 19, 21
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.stack([torch.tensor([1, 3])[torch.randperm(2, generator=gen)] for _ in range(T)])
+    ids[:6, 0] = 4  # expert 4: 6 rows; experts 0 and 2: none
+    r = routing_metadata(ids.to(device), E, 16)
+    S = T * K
+    X = 2 * F if activation == "swiglu" else F
+    x = torch.randn(T, H, generator=gen).to(device, dtype)
+    w1 = (torch.randn(E, H, X, generator=gen) / math.sqrt(H)).to(device, dtype)
+    a_scale = (torch.rand(S, generator=gen) + 0.2).to(device)
+    dy = torch.randn(T, H, generator=gen).to(device, dtype)
+    pre, act = G.grouped_gemm(x, w1, r.expert_offsets_E1, gather_S=r.sorted_token_N, activation=activation,
+                              act_scale_S=a_scale)
+    kw = dict(gather_b_S=r.sorted_token_N)
+    out = torch.full((E, F, H), float("nan"), device=device, dtype=dtype)
+    got = G.grouped_wgrad_triton(pre, dy, r.expert_offsets_E1, a_activation=activation, a_scale_S=a_scale,
+                                 out=out, **kw)
+    from_act = G.grouped_wgrad_triton(act, dy, r.expert_offsets_E1, **kw)
+    assert rel_err(got, from_act) < 1e-6 if dtype == torch.float32 else rel_err(got, from_act) < 1e-2
+    want = G.grouped_wgrad_reference(pre, dy, r.expert_offsets_E1, a_activation=activation, a_scale_S=a_scale, **kw)
+    assert rel_err(got, want) < TOL[dtype] / 2
+    # float64 from pre
+    h = pre.double()
+    if activation == "gelu":
+        a64 = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    else:
+        gate, up = h[:, :F], h[:, F:]
+        a64 = gate / (1 + torch.exp(-gate)) * up
+    a64 = a64 * a_scale.double()[:, None]
+    e_S = torch.repeat_interleave(torch.arange(E, device=device), r.tokens_per_expert_E.long())
+    dy_rows = dy[r.sorted_token_N.long()].double()
+    direct = torch.stack([a64[e_S == e].t() @ dy_rows[e_S == e] for e in range(E)])
+    assert rel_err(got, direct) < TOL[dtype]
+    assert (got[[0, 2]] == 0).all()
+
+
+def test_grouped_wgrad_activation_errors(device):
+    off = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    pre, dy = torch.randn(3, 7, device=device), torch.randn(3, 4, device=device)
+    with pytest.raises(ValueError, match="even number of columns"):
+        G.grouped_wgrad(pre, dy, off, a_activation="swiglu")
+    with pytest.raises(ValueError, match="a_scale_S"):
+        G.grouped_wgrad(pre, dy, off, a_scale_S=torch.ones(3, device=device))
+    with pytest.raises(ValueError, match="a_activation"):
+        G.grouped_wgrad(pre, dy, off, a_activation="relu")
 
 
 def test_grouped_wgrad_gather_a_one_expert(device):

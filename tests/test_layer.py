@@ -171,6 +171,17 @@ def test_weights_interchangeable_between_impls(impl):
     torch.testing.assert_close(other(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["grouped", "grouped_mm"])
+def test_second_backward_is_a_clear_error(impl):
+    """Both fused paths write dL/d(pre) over the saved pre-activation: a second backward through
+    the same forward must refuse with a message, not return wrong gradients."""
+    layer = make_layer(cfg_(top_k=2, mlp_impl=impl))
+    y = layer(torch.randn(17, 32))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.sum().backward()
+
+
 # ------------------------------------------------------------------------- capacity-factor MoE
 
 
@@ -319,6 +330,8 @@ def test_shared_expert_adds_dense_mlp():
     (dict(a2a_splits="padded", mlp_impl="blocksparse"), "a2a_splits"),
     (dict(aux_loss_coeff=-1), "aux_loss_coeff"),
     (dict(normalize_top_k="yes"), "normalize_top_k"),
+    (dict(recompute_activation=1), "recompute_activation"),
+    (dict(recompute_activation=True, mlp_impl="grouped_mm"), "recompute_activation"),
     (dict(shared_expert_ffn_hidden_size=-2), "shared_expert_ffn_hidden_size"),
 ])
 def test_bad_config_names_the_field(kw, field):

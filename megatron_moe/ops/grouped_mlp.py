@@ -8,10 +8,13 @@ Forward (s = sorted position, a(s) = t*K + k its assignment, t(s) its token, e i
   2. y_NH[a(s)]  = wact[s] @ w2[e]                             scatter into assignment order
   3. y_TH = y_NH (K = 1) or y_NH.view(T, K, H).sum(1)        deterministic, no atomics
 Backward (saves x, w1, w2, pre_NF, wact_NF, the sorted router weights and the routing indices:
-pre and wact are what an unfused MLP saves too, h and act(h)):
+pre and wact are what an unfused MLP saves too, h and act(h); with recompute_activation only
+pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is freed at its last use
+(wact after step 5, pre/dpre after step 7), so the backward's peak holds one of them:
   4. g = dy[t(s)] @ w2[e]ᵀ fused with the activation backward: dpre = weight·g·act'(pre) written
      over pre_NF (its last use), d weight(s) = Σ_f g·act(pre)     (one kernel, grouped_gemm_dact)
-  5. dw2[e] = Σ_s wact[s]ᵀ · dy[t(s)]                          (grouped_wgrad, gather on b)
+  5. dw2[e] = Σ_s wact[s]ᵀ · dy[t(s)]                          (grouped_wgrad, gather on b; or wact
+                       recomputed from pre in its prologue, rounded as the forward rounded it)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
   7. dx_NH[a(s)] = dpre[s] @ w1[e]ᵀ, then the sum over K        (grouped_gemm, scatter)
 Step 4 overwrites a saved tensor, so the backward runs once per forward (retain_graph=True
@@ -31,9 +34,17 @@ from megatron_moe.kernels.metadata import Routing
 ACTIVATIONS = ("gelu", "swiglu")
 
 
+def release(t: torch.Tensor) -> None:
+    """Free the memory of a tensor saved for the backward at its last use there. The autograd node
+    holds on to its saved tensors until the whole backward of the node returns; emptying the
+    storage gives the memory back now (internal intermediates only, never a caller's tensor)."""
+    t.untyped_storage().resize_(0)
+
+
 class GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, token_N, offsets_E1, top_k, activation):
+    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, token_N, offsets_E1, top_k, activation,
+                recompute_activation):
         T, H = x_TH.shape
         N = T * top_k
         weight_N = weights_TK.reshape(-1)[sort_order_N.long()].float()  # router weight per sorted position
@@ -41,7 +52,8 @@ class GroupedMLP(torch.autograd.Function):
                                        act_scale_S=weight_N)
         y_NH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
         y_TH = y_NH if top_k == 1 else y_NH.view(T, top_k, H).sum(1)
-        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, token_N, offsets_E1)
+        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, None if recompute_activation else wact_NF, weight_N,
+                              sort_order_N, token_N, offsets_E1)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
         ctx.num_assignments = N
         ctx.pre_consumed = False
@@ -59,12 +71,17 @@ class GroupedMLP(torch.autograd.Function):
         K, N = ctx.top_k, ctx.num_assignments
         dx = dw1 = dw2 = dweights = None
         dy_TH = dy_TH.to(x_TH.dtype)
-
-        # 5. first: it reads only forward tensors
-        if need_w2:
-            dw2 = grouped_wgrad(wact_NF, dy_TH, offsets_E1, gather_b_S=token_N, out_dtype=w2_EFH.dtype)
-        # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
         ctx.pre_consumed = True
+
+        # 5. first: it reads pre (or wact) before step 4 overwrites pre
+        if need_w2 and wact_NF is not None:
+            dw2 = grouped_wgrad(wact_NF, dy_TH, offsets_E1, gather_b_S=token_N, out_dtype=w2_EFH.dtype)
+        elif need_w2:  # recompute_activation: wact = weight · act(pre) in the kernel's prologue
+            dw2 = grouped_wgrad(pre_NF, dy_TH, offsets_E1, gather_b_S=token_N, a_activation=ctx.activation,
+                                a_scale_S=weight_N, out_dtype=w2_EFH.dtype)
+        if wact_NF is not None:
+            release(wact_NF)
+        # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
         dpre_NF, dweight_N = grouped_gemm_dact(dy_TH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF, ctx.activation,
                                                gather_S=token_N, scale_S=weight_N, inplace=True)
         if need_weights:
@@ -75,18 +92,20 @@ class GroupedMLP(torch.autograd.Function):
             dw1 = grouped_wgrad(x_TH, dpre_NF, offsets_E1, gather_a_S=token_N, out_dtype=w1_EHF.dtype)
         if need_x:  # 7.
             dx_NH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)
+            release(dpre_NF)
             dx = dx_NH if K == 1 else dx_NH.view(T, K, H).sum(1)
-        return dx, dw1, dw2, dweights, None, None, None, None, None
+        return dx, dw1, dw2, dweights, None, None, None, None, None, None
 
 
 def grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
-                routing: Routing, activation: str) -> torch.Tensor:
+                routing: Routing, activation: str, recompute_activation: bool = False) -> torch.Tensor:
     """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e_tk]) @ w2[e_tk]), in x's dtype.
 
     x_TH [T, H] (fp32/bf16/fp16); w1_EHF [E, H, F] (swiglu: [E, H, 2F], gate first) and
     w2_EFH [E, F, H] in x's dtype; weights_TK [T, K] router combine weights (fp32; gets a
     gradient); routing from ``routing_metadata`` of the [T, K] expert ids. No host
-    synchronisation on the GPU.
+    synchronisation on the GPU. ``recompute_activation``: save pre only (not wact) and recompute
+    wact inside the dw2 kernel (less activation memory, a slower dw2).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
@@ -107,4 +126,4 @@ def grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, 
     if offsets_E1.dtype != torch.int32:
         offsets_E1 = offsets_E1.to(torch.int32)
     return GroupedMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N, routing.sorted_token_N,
-                            offsets_E1, K, activation)
+                            offsets_E1, K, activation, recompute_activation)

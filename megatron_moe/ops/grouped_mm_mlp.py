@@ -10,7 +10,8 @@ sort on the GPU, no host synchronisation, unlike a sort + bincount), a determini
 
 Forward (s sorted position, t(s) its token, a(s) its assignment):
   x_NH = x[t(s)];  h = x_NH @ w1[e];  o = act(h) @ w2[e];  y[a(s)] = weight(s) * o;  sum over k
-Backward (saves x, w1, w2, h, o; act(h) and x_NH are recomputed, not stored):
+Backward (saves x, w1, w2, h, o; act(h) and x_NH are recomputed, not stored; dh overwrites h; o and
+h/dh are freed at their last use):
   dy_NH = dy[t(s)];  d weight(s) = dy_NH · o;  do = weight(s) * dy_NH;  dact = do @ w2[e]ᵀ
   dh = dact * act'(h);  dw2[e] = act(h)ᵀ do;  dw1[e] = x_NHᵀ dh;  dx[t] = Σ_k (dh @ w1[e]ᵀ)
 
@@ -22,25 +23,30 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe.kernels.metadata import Routing
+from megatron_moe.ops.grouped_mlp import release
 
 
 def _gmm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def _act_and_grad(h, activation, dact=None):
-    """(act(h), None), or given dact = dL/d act: (None, dL/dh in h's dtype; gelu writes it over dact)."""
+def _act(h, activation):
     if activation == "gelu":
-        if dact is not None:  # dL/dh written over dact
-            return None, torch.ops.aten.gelu_backward.grad_input(dact, h, approximate="tanh", grad_input=dact)
-        return F.gelu(h, approximate="tanh"), None
+        return F.gelu(h, approximate="tanh")
     gate, up = h.chunk(2, dim=1)
-    silu = F.silu(gate)
-    if dact is None:
-        return silu * up, None
+    return F.silu(gate) * up
+
+
+def _dact_into_h(dact, h, activation):
+    """dL/dh from dL/d act, written over h (its last use: one [N, F] tensor fewer at the peak)."""
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward.grad_input(dact, h, approximate="tanh", grad_input=h)
+    gate, up = h.chunk(2, dim=1)
     sig = torch.sigmoid(gate.float())
-    d_gate = dact.float() * up.float() * sig * (1 + gate.float() * (1 - sig))
-    return None, torch.cat([d_gate.to(h.dtype), dact * silu], dim=1)
+    d_up = dact * F.silu(gate)
+    gate.copy_(dact.float() * up.float() * sig * (1 + gate.float() * (1 - sig)))
+    up.copy_(d_up)
+    return h
 
 
 def _to_assignment_order(rows_NH, order_N, T, K):
@@ -54,35 +60,44 @@ class GroupedMMMLP(torch.autograd.Function):
     def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, order_N, token_N, offs_E, top_k, activation):
         T = x_TH.shape[0]
         h_NF = _gmm(x_TH[token_N], w1_EHF, offs_E)
-        o_NH = _gmm(_act_and_grad(h_NF, activation)[0], w2_EFH, offs_E)
+        o_NH = _gmm(_act(h_NF, activation), w2_EFH, offs_E)
         weight_N = weights_TK.reshape(-1)[order_N].float()
         y_NH = o_NH * weight_N[:, None].to(o_NH.dtype)
         ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, h_NF, o_NH, weight_N, order_N, token_N, offs_E)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
+        ctx.h_consumed = False
         return _to_assignment_order(y_NH, order_N, T, top_k)
 
     @staticmethod
     def backward(ctx, dy_TH):
+        if ctx.h_consumed:
+            raise RuntimeError("grouped_mm_mlp: a second backward through the same forward is not supported "
+                               "(the first one overwrote the saved pre-activation to save memory); "
+                               "run the forward again, or use mlp_impl='blocksparse'")
         x_TH, w1_EHF, w2_EFH, h_NF, o_NH, weight_N, order_N, token_N, offs_E = ctx.saved_tensors
         need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
         T, K = x_TH.shape[0], ctx.top_k
         dx = dw1 = dw2 = dweights = None
+        ctx.h_consumed = True  # h is overwritten and o freed below
         dy_NH = dy_TH.to(x_TH.dtype)[token_N]
         if need_weights:
             dweight_N = torch.sum(dy_NH * o_NH, dim=1, dtype=torch.float32)
             dweights = torch.empty_like(dweight_N).index_copy_(0, order_N, dweight_N).view(T, K)
             dweights = dweights.to(ctx.weights_dtype)
+        release(o_NH)  # its last use
         do_NH = dy_NH * weight_N[:, None].to(dy_NH.dtype)
         del dy_NH
-        # dw2 first, then dh: at most two [N, F] tensors (h and one more) live at a time
+        # dw2 first, then dh over h: at most two [N, F] tensors (h and one more) live at a time
         if need_w2:
-            dw2 = _gmm(_act_and_grad(h_NF, ctx.activation)[0].t(), do_NH, offs_E)
-        dh_NF = _act_and_grad(h_NF, ctx.activation, _gmm(do_NH, w2_EFH.transpose(1, 2), offs_E))[1]
-        del do_NH
+            dw2 = _gmm(_act(h_NF, ctx.activation).t(), do_NH, offs_E)
+        dh_NF = _dact_into_h(_gmm(do_NH, w2_EFH.transpose(1, 2), offs_E), h_NF, ctx.activation)
+        del do_NH, h_NF
         if need_w1:
             dw1 = _gmm(x_TH[token_N].t(), dh_NF, offs_E)
         if need_x:
-            dx = _to_assignment_order(_gmm(dh_NF, w1_EHF.transpose(1, 2), offs_E), order_N, T, K)
+            dx_NH = _gmm(dh_NF, w1_EHF.transpose(1, 2), offs_E)
+            release(dh_NF)  # h's memory
+            dx = _to_assignment_order(dx_NH, order_N, T, K)
         return dx, dw1, dw2, dweights, None, None, None, None, None
 
 
