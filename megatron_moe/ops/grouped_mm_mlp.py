@@ -22,19 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_moe.experts import activate
 from megatron_moe.kernels.metadata import Routing
 from megatron_moe.ops.grouped_mlp import release
 
 
 def _gmm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
-
-
-def _act(h, activation):
-    if activation == "gelu":
-        return F.gelu(h, approximate="tanh")
-    gate, up = h.chunk(2, dim=1)
-    return F.silu(gate) * up
 
 
 def _dact_into_h(dact, h, activation):
@@ -60,7 +54,7 @@ class GroupedMMMLP(torch.autograd.Function):
     def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, order_N, token_N, offs_E, top_k, activation):
         T = x_TH.shape[0]
         h_NF = _gmm(x_TH[token_N], w1_EHF, offs_E)
-        o_NH = _gmm(_act(h_NF, activation), w2_EFH, offs_E)
+        o_NH = _gmm(activate(h_NF, activation), w2_EFH, offs_E)
         weight_N = weights_TK.reshape(-1)[order_N].float()
         y_NH = o_NH * weight_N[:, None].to(o_NH.dtype)
         ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, h_NF, o_NH, weight_N, order_N, token_N, offs_E)
@@ -89,7 +83,7 @@ class GroupedMMMLP(torch.autograd.Function):
         del dy_NH
         # dw2 first, then dh over h: at most two [N, F] tensors (h and one more) live at a time
         if need_w2:
-            dw2 = _gmm(_act(h_NF, ctx.activation).t(), do_NH, offs_E)
+            dw2 = _gmm(activate(h_NF, ctx.activation).t(), do_NH, offs_E)
         dh_NF = _dact_into_h(_gmm(do_NH, w2_EFH.transpose(1, 2), offs_E), h_NF, ctx.activation)
         del do_NH, h_NF
         if need_w1:
