@@ -194,6 +194,17 @@ def _activation(h, up, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _expert_tiles(offsets_ptr, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Lanes 0..BLOCK_E-1 (experts; lanes >= E are empty): (lane index, BLOCK_M-row tiles of the
+    expert, their inclusive cumsum), from the expert offsets."""
+    e_idx = tl.arange(0, BLOCK_E)
+    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
+    return e_idx, tiles_E, tl.cumsum(tiles_E, axis=0)
+
+
+@triton.jit
 def _tile_coords(tile, tiles_cum_E, tiles_E, e_idx, offsets_ptr, num_tiles_n, BLOCK_M: tl.constexpr):
     """(expert, first sorted row, end of the expert's rows, N tile) of output tile ``tile``; expert
     == E past the last tile. Consecutive tiles share their rows (L2 reuse of a's rows)."""
@@ -349,11 +360,7 @@ def _grouped_gemm_kernel(
 ):
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
-    e_idx = tl.arange(0, BLOCK_E)
-    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
-    tiles_cum_E = tl.cumsum(tiles_E, axis=0)
+    e_idx, tiles_E, tiles_cum_E = _expert_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M)
     if PERSISTENT:
         # every program walks the tiles pid, pid + grid, ...; flatten=True lets the software
         # pipeline load the next tile's operands while this tile's epilogue runs

@@ -10,6 +10,12 @@ with two submodules replaced:
   (mlp_impl blocksparse / grouped / reference) or the capacity-factor MoE (mlp_impl capacity),
   and returns ``(output, None)`` as megatron-core expects.
 
+``build_gpt_model`` also gives the model our fused LM cross-entropy
+(``megatron_moe.ops.cross_entropy``: one pass over the bf16 logits forward, one backward, no
+fp32 copy of the [tokens, vocab] logits) in place of megatron-core's
+``vocab_parallel_cross_entropy`` (same loss; tensor-parallel size 1). Models that Megatron-LM
+builds from ``layer_spec`` keep megatron-core's loss.
+
 The MoE layer's aux loss (load balancing + z-loss) reaches the LM loss's gradient: the MLP
 output passes through an autograd function that returns it unchanged and, in backward, gives the
 aux loss the gradient ``aux_loss_scale`` (``set_aux_loss_scale``, default 1.0; the train loop sets
@@ -96,6 +102,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import SDPAttention
 from .layer import DroplessMoE
+from .ops.cross_entropy import lm_cross_entropy
 from .parallel import init_parallel_groups
 from .model_config import ModelConfig
 
@@ -438,6 +445,9 @@ def build_gpt_model(model_cfg: ModelConfig) -> GPTModel:
         # GPTModel builds its output layer itself (not from the spec): same F.linear path.
         model.output_layer._forward_impl = functools.partial(
             _linear_forward, ColumnParallelLinear._forward_impl, model.output_layer)
+    # The LM loss: our fused cross-entropy (one pass over the bf16 logits, no fp32 copy of them)
+    # instead of megatron-core's vocab_parallel_cross_entropy (TP = 1 here, so no vocab split).
+    model.compute_language_model_loss = _fused_lm_loss
     if not torch.cuda.is_available() and isinstance(getattr(model, "rotary_pos_emb", None), RotaryEmbedding):
         old = model.rotary_pos_emb
         model.rotary_pos_emb = _CPURotaryEmbedding(
@@ -448,6 +458,16 @@ def build_gpt_model(model_cfg: ModelConfig) -> GPTModel:
     model.to(device)
     model.model_cfg = model_cfg
     return model
+
+
+def _fused_lm_loss(labels_BS: torch.Tensor, logits_SBV: torch.Tensor) -> torch.Tensor:
+    """GPTModel.compute_language_model_loss at TP = 1: per-token loss [b, s] in fp32 from logits
+    [s, b, vocab] (megatron_moe.ops.cross_entropy; the backward overwrites the logits, which
+    GPTModel does not return when it is given labels)."""
+    S, B, V = logits_SBV.shape
+    labels_T = labels_BS.transpose(0, 1).reshape(-1)
+    loss_T = lm_cross_entropy(logits_SBV.reshape(S * B, V), labels_T)
+    return loss_T.view(S, B).transpose(0, 1).contiguous()
 
 
 def moe_mlps(model: torch.nn.Module) -> list[MoEMLP]:

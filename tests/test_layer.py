@@ -356,6 +356,46 @@ def test_count_ids_matches_a_loop():
     assert count_ids(torch.zeros(0, 2, dtype=torch.long), 4).tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, H, E", [(300, 96, 16), (5, 40, 64), (0, 32, 4)])
+def test_router_logits_bf16_split_is_fp32_accurate(device, w_dtype, T, H, E):
+    """bf16 x against an fp32 (or bf16) weight: logits and the weight gradient as accurate as an
+    fp32 GEMM (float64 reference; one bf16 part alone would be off by ~2^-9), dx to bf16 rounding."""
+    from megatron_moe.router import router_logits
+
+    g = torch.Generator().manual_seed(T + E)
+    x = torch.randn(T, H, generator=g).bfloat16().to(device).requires_grad_()
+    w = (torch.randn(E, H, generator=g) * 0.02 + 0.5e-3).to(w_dtype).to(device).requires_grad_()
+    dl = torch.randn(T, E, generator=g).to(device)
+    logits = router_logits(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (T, E)
+    logits.backward(dl)
+    xd, wd = (t.detach().cpu().double().requires_grad_() for t in (x, w))
+    ref = xd @ wd.t()
+    ref.backward(dl.cpu().double())
+    scale = (xd.abs() @ wd.abs().t()).max().clamp_min(1e-30) if T else 1.0
+    assert ((logits.cpu().double() - ref).abs().max() / scale).item() < 1e-6 if T else True
+    assert w.grad.dtype == w_dtype and x.grad.dtype == torch.bfloat16
+    if T:
+        dw_scale = (dl.cpu().double().abs().t() @ xd.abs()).max()
+        dw_tol = 1e-6 if w_dtype == torch.float32 else 2 ** -8  # bf16 w: the gradient is rounded to bf16
+        assert ((w.grad.cpu().double() - wd.grad).abs().max() / dw_scale).item() < dw_tol
+        # dx is bf16: one rounding of the value plus the dropped products (< 2^-15 of Σ|g||w|)
+        bound = 2 ** -8 * xd.grad.abs() + 2 ** -15 * (dl.cpu().double().abs() @ wd.detach().abs())
+        assert ((x.grad.cpu().double() - xd.grad).abs() <= bound).all()
+    else:
+        assert w.grad.abs().sum().item() == 0
+
+
+def test_router_logits_other_dtypes_are_plain_fp32():
+    from megatron_moe.router import router_logits
+
+    x, w = torch.randn(7, 12), torch.randn(3, 12)
+    assert torch.equal(router_logits(x, w), x @ w.t())
+    assert torch.equal(router_logits(x.half(), w), x.half().float() @ w.t())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["grouped", "blocksparse"])
 def test_layer_forward_backward_without_host_sync(impl):
