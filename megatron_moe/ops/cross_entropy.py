@@ -2,10 +2,10 @@
 
     loss_T = lm_cross_entropy(logits_TV, labels_T)      # fp32 [T]; logits in any float dtype
 
-Forward saves the logits as they are (bf16 under autocast) and the fp32 logsumexp per row; the
-backward recomputes the softmax from them and, with ``inplace_backward`` (the default), writes
-dL/dlogits over the saved logits, their last use: the caller must not read the logits after the
-backward. A second backward through the same forward is then a clear error.
+Forward saves the logits as they are (bf16 under autocast) and two fp32 numbers per row (max and
+log Σ exp); the backward recomputes the softmax from them and, with ``inplace_backward`` (the
+default), writes dL/dlogits over the saved logits, their last use: the caller must not read the
+logits after the backward. A second backward through the same forward is then a clear error.
 
 Legend: T rows (tokens), V vocabulary.
 """
