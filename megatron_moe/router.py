@@ -50,8 +50,8 @@ class _RouterLogits(torch.autograd.Function):
     Forward: one GEMM against the weight's bf16 parts stacked along E, the parts summed (a bf16
     weight is its own single part). Backward: g = dL/dlogits in bf16 parts (hi, lo for a bf16
     weight; hi, mid, lo for an fp32 one), stacked along E into one [T, Q·E] operand A:
-    dw = Σ_q A_qᵀ @ x, and dx = [A, g_hi] @ [w_hi; …; w_hi; w_mid] (dropped products are below
-    2^-16 of Σ|g||w|; dx is rounded to bf16 anyway)."""
+    dw = Σ_q A_qᵀ @ x, and dx = A @ [w; w] (bf16 w) or [A, g_hi] @ [w_hi; w_hi; w_hi; w_mid]
+    (fp32 w; the dropped products are below 2^-16 of Σ|g||w|, and dx is rounded to bf16 anyway)."""
 
     @staticmethod
     def forward(ctx, x_TH, w_EH):
