@@ -28,8 +28,9 @@ class RouterOutput:
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """a @ b of bf16 a and b with fp32 accumulation, returned in ``out_dtype`` (the tensor cores on
-    CUDA; elsewhere the same arithmetic, exact products and fp32 sums, through an fp32 matmul)."""
+    """a @ b of bf16 a and b, returned in ``out_dtype``: fp32 output from fp32 accumulation on the
+    tensor cores on CUDA (a bf16 output: torch's bf16 GEMM, which accumulates in fp32 unless
+    cuBLAS splits the reduction); elsewhere exact products and fp32 sums through an fp32 matmul."""
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=out_dtype) if out_dtype == torch.float32 else torch.mm(a, b).to(out_dtype)
     return (a.float() @ b.float()).to(out_dtype)

@@ -228,6 +228,27 @@ def test_forward_per_token_loss_and_backward(ad, moe, kw):
             assert layer.dropped_fraction is not None and 0 <= float(layer.dropped_fraction) < 1
 
 
+def test_fused_loss_and_gradients_equal_megatron_cross_entropy(ad):
+    """build_gpt_model's fused cross-entropy against the same model with megatron-core's loss
+    (GPTModel's own compute_language_model_loss)."""
+    cfg = tiny(vocab_size=200)
+    model = ad.build_gpt_model(cfg)
+    tokens, pos, labels = batch(cfg, seed=3)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            del model.compute_language_model_loss  # back to megatron-core's GPTModel method
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, pos, attention_mask=None, labels=labels)
+        loss.mean().backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_f, grads_f), (loss_m, grads_m) = results
+    assert loss_f.shape == (2, cfg.seq_length)
+    torch.testing.assert_close(loss_f, loss_m, rtol=1e-5, atol=1e-5)
+    for name in grads_m:
+        torch.testing.assert_close(grads_f[name], grads_m[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("impl", [_impl_param("grouped"), _impl_param("blocksparse")])
 def test_triton_paths_match_reference_in_the_model(ad, impl):
     """The same weights through the grouped / block-sparse path give the reference path's loss
