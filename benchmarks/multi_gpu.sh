@@ -12,7 +12,8 @@
 # A wave is one WAVE_n variable (defaults below, each can be set from outside): runs
 # "name:config:gpus:ep[:overrides]" separated by spaces, started together on the GPUs listed
 # (ep = expert_parallel_size, 0 = dense; overrides comma-separated, e.g.
-# "dmoe-small-ep4-padded:dmoe-small:0,1,2,3:4:model.moe.a2a_splits=padded"). A name is
+# "dmoe-small-ep4-padded:dmoe-small:0,1,2,3:4:model.moe.a2a_splits=padded"; "mb=32" sets that
+# run's micro-batch instead of MB). A name is
 # CONFIG-epN or CONFIG-dpN (N the GPUs), optionally followed by variant words (-padded,
 # -sigmoid-padded); scaling is against the same CONFIG on the fewest GPUs whose variant words
 # are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are skipped once DEADLINE seconds (default 560) are
@@ -49,16 +50,18 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 python3 -m megatron_moe.data_prep --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
 
 run_one() {  # name config gpus ep [overrides]
-  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n extra=()
+  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb=$MB extra=() o
   n=$(tr ',' '\n' <<< "$gpus" | wc -l)
   [[ $ep -gt 0 ]] && extra+=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-})
-  [[ -n $own ]] && extra+=(${own//,/ })
+  for o in ${own//,/ }; do  # mb=N: this run's micro-batch (global = N x ACC x GPUs)
+    if [[ $o == mb=* ]]; then mb=${o#mb=}; else extra+=("$o"); fi
+  done
   local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
     -m megatron_moe.train --config "configs/$cfg.yaml" name="$name" logging.wandb=false \
     logging.runs_dir=/tmp/mg "${extra[@]}" \
-    train.micro_batch_size="$MB" train.global_batch_size=$((MB * ACC * n)) train.train_iters="$STEPS" \
+    train.micro_batch_size="$mb" train.global_batch_size=$((mb * ACC * n)) train.train_iters="$STEPS" \
     train.lr_warmup_iters=$((STEPS / 4)) train.eval_interval=0 train.save_interval=0 train.save_final=false \
     train.log_interval=5 > "$OUT/$name.log" 2>&1
   local rc=$?

@@ -11,8 +11,8 @@ Expert parallelism: ``DroplessMoE(cfg, ep_group=group)`` holds experts
 so a single-GPU checkpoint's experts slice onto ranks and back) and exchanges tokens with
 all-to-all (megatron_moe/dispatch.py). The router is replicated on every rank.
 
-Under torch.autocast the expert compute runs in the autocast dtype (bf16 on GPUs) while the
-router stays in fp32.
+The expert compute runs in x's dtype, or the autocast dtype under torch.autocast (bf16 on GPUs);
+the router's logits are fp32-accurate either way (router.router_logits).
 
 Input check (opt-in, it costs a host synchronisation per forward): ``MEGATRON_MOE_CHECK_FINITE=1``
 in the environment (read once, at import) or ``DroplessMoE.check_finite = True`` makes forward

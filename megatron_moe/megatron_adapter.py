@@ -32,8 +32,10 @@ Use from Python (the training program does this)::
     loss_bs.mean().backward()                        # LM loss + aux losses (router included)
     [layer.tokens_per_expert for layer in moe_layers(model)]
 
-bf16: keep the fp32 params and run forward + loss under ``torch.autocast(device_type,
-dtype=torch.bfloat16)``; no bf16 params are needed. megatron-core's own linear autograd function
+bf16: the model is built with fp32 params; training (megatron_moe/precision.py) swaps bf16 copies
+of them in for each forward, so every module simply runs in bf16. The other way, forward + loss
+under ``torch.autocast(device_type, dtype=torch.bfloat16)`` over the fp32 params
+(``train.bf16_params=false``), also works: megatron-core's own linear autograd function
 (ColumnParallelLinear / RowParallelLinear) has custom_fwd/custom_bwd bound to CUDA: on a GPU it
 works under autocast, on the CPU its backward fails (bf16 gradient times fp32 weight). So the
 spec uses ``ColumnLinear`` / ``RowLinear``, the same megatron-core layers (same parameters, init

@@ -135,7 +135,7 @@ class GradReducer:
             self._bucket_of = {id(p): i for i, (bucket, _) in enumerate(self._plan) for p in bucket}
             for p in params:
                 if id(p) in self._bucket_of and p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._on_grad)
+                    p.register_post_accumulate_grad_hook(self.grad_ready)
 
     @classmethod
     def for_groups(cls, params, groups: ParallelGroups, **kw) -> "GradReducer":
@@ -168,10 +168,12 @@ class GradReducer:
         self._next = 0  # buckets start in index order only (the same order on every rank)
 
     @torch.no_grad()
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not self._armed:
+    def grad_ready(self, p: torch.nn.Parameter) -> None:
+        """``p``'s gradient is complete for this backward (its post-accumulate hook, or
+        precision.BF16Params once it has added a bf16 copy's gradient into ``p.grad``)."""
+        i = self._bucket_of.get(id(p)) if self._armed else None
+        if i is None:  # not armed, or a parameter nothing is exchanged for (a group of one)
             return
-        i = self._bucket_of[id(p)]
         self._pending[i] -= 1
         while self._next < len(self._plan) and self._pending[self._next] == 0:
             self._start(self._next)

@@ -87,7 +87,13 @@ class TrainConfig:
     clip_grad: float = 1.0
     """Clip the global gradient norm to this; 0 = no clipping."""
     bf16: bool = True
-    """bf16 autocast on GPUs (params, grads and optimizer state stay fp32); the CPU runs fp32."""
+    """bf16 compute on GPUs (the optimizer state, gradients and master weights stay fp32);
+    the CPU runs fp32."""
+    bf16_params: bool = True
+    """With bf16: the model computes with bf16 copies of its fp32 parameters, rounded once per
+    optimizer step, activations bf16 throughout (Megatron-LM's --bf16; megatron_moe/precision.py).
+    false: torch.autocast over the fp32 parameters (LayerNorm, bias adds and the residual
+    stream in fp32; slower)."""
     seed: int = 1234
     """Seed of the model init, the data shuffling and every RNG."""
     eval_interval: int = 100
@@ -154,7 +160,7 @@ class TrainConfig:
                 _fail(f"train.{f}", v, "expected a number in [0, 1)")
         if not _is_num(self.adam_eps) or self.adam_eps <= 0:
             _fail("train.adam_eps", self.adam_eps, "expected a number > 0")
-        for f in ("bf16", "deterministic", "save_final", "overlap_grad_reduce"):
+        for f in ("bf16", "bf16_params", "deterministic", "save_final", "overlap_grad_reduce"):
             if not isinstance(getattr(self, f), bool):
                 _fail(f"train.{f}", getattr(self, f), "expected true or false")
         if self.lr_warmup_iters > self.decay_iters:

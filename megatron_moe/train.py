@@ -8,7 +8,8 @@
     scripts/pretrain.sh configs/dmoe-xs.yaml             # the same, all GPUs of this node
 
 One process on the CPU (gloo, fp32) or one per GPU under torchrun (NCCL, device LOCAL_RANK,
-bf16 autocast over fp32 parameters). Data parallelism is done here, not by DDP: after the
+bf16 compute copies of fp32 master parameters: megatron_moe/precision.py; or autocast with
+``train.bf16_params=false``). Data parallelism is done here, not by DDP: after the
 micro-batches of a step are accumulated, megatron_moe/parallel.py's GradReducer all-reduces the
 gradients in flattened buckets, dense parameters over all ranks and expert parameters
 (``expert_parallel = True``) over the ranks holding the same experts
@@ -71,6 +72,7 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, sa
 from .dispatch import exchange_time_ms
 from .metrics import MetricsLogger, ep_rank_imbalance, expert_load_stats, format_line
 from .parallel import GradReducer, clip_grad_norm, init_parallel_groups
+from .precision import BF16Params
 from .run_config import ConfigError, RunConfig, load_config
 
 __all__ = ["main", "train", "lr_at", "build_optimizer"]
@@ -260,6 +262,12 @@ def _count_params(model_cfg) -> dict | None:
         return None
 
 
+def _use_bf16(tc, device: torch.device) -> bool:
+    """train.bf16 applies on GPUs; the CPU runs fp32 (MEGATRON_MOE_BF16_ON_CPU=1: bf16 there
+    too, for tests of the bf16 code paths)."""
+    return tc.bf16 and (device.type == "cuda" or os.environ.get("MEGATRON_MOE_BF16_ON_CPU") == "1")
+
+
 def set_deterministic(on: bool = True) -> None:
     """Deterministic algorithms only (``train.deterministic``); call before CUDA/NCCL start.
 
@@ -432,13 +440,21 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                                torch.bfloat16 if tc.bf16 else torch.float32)
     except ImportError:
         pass
-    use_bf16 = tc.bf16 and device.type == "cuda"
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
+    bf16 = None  # precision.BF16Params: bf16 compute copies of the fp32 parameters
+    if _use_bf16(tc, device) and tc.bf16_params:
+        bf16 = BF16Params(model, params, grad_ready=reducer.grad_ready)
+        amp = bf16.compute
+        precision = "bf16 params (fp32 masters)"
+    elif _use_bf16(tc, device):
+        amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
+        precision = "bf16 autocast"
+    else:
+        amp, precision = contextlib.nullcontext, "fp32"
 
     counts = _count_params(mc)
     _print0(rank, f"run {cfg.name}: {run_dir} | {world} x {device.type}"
             f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}"
-            f" | {'bf16 autocast' if use_bf16 else 'fp32'}"
+            f" | {precision}"
             f"{' | deterministic' if tc.deterministic else ''} | micro {tc.micro_batch_size} x dp {world}"
             f" x {num_micro} accumulation = global {tc.global_batch_size} | {len(layers)} MoE layers"
             + (f" | params total {counts['total'] / 1e6:.1f}M, active/token "
@@ -459,6 +475,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
             meta = load_checkpoint(ckpt, model, optimizer, map_location=device, groups=groups)
         except CheckpointError as e:
             raise TrainError(str(e)) from None
+        if bf16 is not None:
+            bf16.refresh()
         skipped = int(meta.get("skipped_steps", 0))
         consecutive = int(meta.get("consecutive_nonfinite", 0))
         if meta.get("world_size") != world:
@@ -522,6 +540,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
             finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
             if finite:
                 optimizer.step()
+                if bf16 is not None:
+                    bf16.refresh()
                 update_expert_biases(model)
                 consecutive = 0
             else:  # skip the update; the step, its data and the schedule still count

@@ -1,5 +1,5 @@
 """The megatron-core GPT with our MoE: config validation, attention, losses, aux-loss gradient,
-expert marks, parameter and FLOP counts, bf16 autocast, the Megatron-LM --spec path, the paper configs.
+expert marks, parameter and FLOP counts, bf16 autocast and bf16 parameters, the Megatron-LM --spec path, the paper configs.
 
     pytest tests/test_model.py            # about a minute on 2 CPU cores
 
@@ -383,6 +383,34 @@ def test_bf16_autocast_forward_backward(ad):
     for n, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, n
         assert torch.isfinite(p.grad).all(), n
+
+
+@pytest.mark.parametrize("impl", ["grouped", "capacity"])
+def test_bf16_params_gpt_with_moe_matches_a_bf16_copy(ad, impl):
+    """The megatron-core GPT with our MoE (experts keep their expert_parallel mark on the copies):
+    loss and every master gradient equal a deep copy cast to bf16 (megatron_moe/precision.py; buffers stay fp32 in both)."""
+    from megatron_moe.precision import BF16Params
+
+    cfg = tiny(moe={"num_experts": 4, "top_k": 2, "mlp_impl": impl}, position_embedding_type="rope",
+               activation="swiglu")
+    model = ad.build_gpt_model(cfg)
+    ref = ad.build_gpt_model(cfg)  # (megatron modules hold process groups: no deepcopy)
+    ref.load_state_dict(model.state_dict())
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    bf16 = BF16Params(model, list(model.parameters()))
+    with bf16.compute():
+        marks = [n for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)]
+        assert marks and all(p.dtype == torch.bfloat16 for p in model.parameters())
+        tokens, pos, labels = batch(cfg)
+        loss = model(tokens, pos, attention_mask=None, labels=labels).float().mean()
+    want = ref(tokens, pos, attention_mask=None, labels=labels).float().mean()
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    loss.backward()
+    want.backward()
+    for (n, m), r in zip(model.named_parameters(), ref.parameters()):
+        assert m.dtype == torch.float32 and m.grad is not None, n
+        torch.testing.assert_close(m.grad, r.grad.float(), rtol=0, atol=0, msg=n)
 
 
 def test_tiny_moe_gpt_trains(ad):

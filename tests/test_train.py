@@ -183,18 +183,47 @@ def test_data_parallel_two_ranks_matches_one(workdir, straight):
     assert got == pytest.approx(want, abs=2e-5)
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_overlap_grad_reduce_matches_plain(workdir, ep):
+@pytest.mark.parametrize("ep,bf16", [(1, False), (2, False), (2, True)])
+def test_overlap_grad_reduce_matches_plain(workdir, ep, bf16):
     """train.overlap_grad_reduce (bucket all-reduces started during the last backward) gives the
-    plain reduction's losses: 2 gloo ranks, 2 micro-batches each, data and expert parallelism."""
+    plain reduction's losses: 2 gloo ranks, 2 micro-batches each, data and expert parallelism;
+    with bf16 parameters the buckets start from precision.BF16Params' readiness calls."""
     losses = {}
+    env = {"MEGATRON_MOE_BF16_ON_CPU": "1"} if bf16 else {}
     for overlap in ("false", "true"):
-        name = f"ovl-ep{ep}-{overlap}"
-        _run(_overrides(workdir, name, "logging.wandb=false", "train.exit_interval=4", "train.micro_batch_size=2",
-                        f"model.moe.expert_parallel_size={ep}", f"train.overlap_grad_reduce={overlap}"),
-             nproc=2, OMP_NUM_THREADS="1")
+        name = f"ovl-ep{ep}-{'bf16' if bf16 else 'fp32'}-{overlap}"
+        out = _run(_overrides(workdir, name, "logging.wandb=false", "train.exit_interval=4", "train.micro_batch_size=2",
+                              f"model.moe.expert_parallel_size={ep}", f"train.overlap_grad_reduce={overlap}"),
+                   nproc=2, OMP_NUM_THREADS="1", **env)
+        assert ("bf16 params (fp32 masters)" in out.stdout) == bf16
         losses[overlap] = [r["lm_loss"] for r in _metrics(workdir / "runs" / name)]
     assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], abs=1e-6)
+
+
+def test_bf16_params_resume_is_exact_and_tracks_fp32(workdir, straight):
+    """bf16 compute copies over fp32 masters (forced on the CPU): 8 steps + --resume 8 equal 16
+    straight bit for bit (the checkpoint holds the fp32 masters; the copies are re-rounded on
+    load), and the losses stay within bf16 noise of the fp32 run; autocast (bf16_params=false)
+    as well."""
+    env = {"MEGATRON_MOE_BF16_ON_CPU": "1"}
+    out = _run(_overrides(workdir, "bf16-straight", "logging.wandb=false"), **env)
+    assert "bf16 params (fp32 masters)" in out.stdout
+    args = _overrides(workdir, "bf16-resumed", "logging.wandb=false")
+    _run(args + ["train.exit_interval=8"], **env)
+    _run(args + ["--resume"], **env)
+    want = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-straight")]
+    got = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-resumed")]
+    assert len(got) == STEPS and got == want
+    state = torch.load(latest_checkpoint(workdir / "runs" / "bf16-straight") / "model.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    fp32 = [r["lm_loss"] for r in _metrics(straight)]
+    assert max(abs(a - b) for a, b in zip(want, fp32)) < 0.05, (want, fp32)
+    assert want != fp32  # it really ran in bf16
+    out = _run(_overrides(workdir, "bf16-autocast", "logging.wandb=false", "train.bf16_params=false",
+                          "train.exit_interval=4"), **env)
+    assert "bf16 autocast" in out.stdout
+    auto = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-autocast")]
+    assert max(abs(a - b) for a, b in zip(auto, fp32)) < 0.05 and auto != fp32[:4]
 
 
 def test_capacity_model_logs_dropped_fraction(workdir, straight):

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Short single-GPU training runs side by side (A/B of a training option), each with a
+# torch.profiler table of one step; a table of tokens/s, MFU and peak memory last.
+#
+#   RUNS="gpt-small-autocast:gpt-small:train.bf16_params=false gpt-small:gpt-small" \
+#     bash benchmarks/train_ab.sh
+#
+# RUNS: "name:config[:overrides]" (overrides comma-separated), run one after another on GPU 0.
+# STEPS (default 8), MB (micro-batch, default 64), GB (global batch, default MB), PROFILE_STEP
+# (default 6; "mb=N" in a run's overrides sets its own micro-batch);
+# medians over the steps after MEASURE_FROM (default 3). Everything lands in $OUT/train_ab.tgz
+# (logs, metrics.jsonl, profile tables) and $OUT/train_ab.txt (the table).
+set -uo pipefail
+OUT=${OUT:-$PWD/train_ab_out}; mkdir -p "$OUT"
+W=$(mktemp -d); export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[[ -e megatron_moe/kernels ]] || ln -sfn ../kernels megatron_moe/kernels
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+STEPS=${STEPS:-8}; MB=${MB:-64}; GB=${GB:-$MB}; PROFILE_STEP=${PROFILE_STEP:-6}; MEASURE_FROM=${MEASURE_FROM:-3}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  date -u +%Y-%m-%dT%H:%M:%SZ; } > "$W/env.txt" 2>&1
+for spec in ${RUNS:?RUNS is empty}; do
+  IFS=: read -r name cfg own <<< "$spec"
+  mb=$MB; extra=()
+  for o in ${own//,/ }; do if [[ $o == mb=* ]]; then mb=${o#mb=}; else extra+=("$o"); fi; done
+  MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.train \
+    --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
+    train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \
+    train.lr_warmup_iters=2 train.eval_interval=0 train.save_interval=0 train.save_final=false \
+    train.log_interval=1 data.default_corpus_mb=20 "${extra[@]}" > "$W/$name.log" 2>&1
+  echo "$name exit $? ($(grep -m1 -E '^done|Error' "$W/$name.log" | cut -c1-120))"
+  cp /tmp/ab/"$name"/metrics.jsonl "$W/$name.jsonl" 2>/dev/null
+  cp /tmp/ab/"$name"/profile_step*_rank0.txt "$W/$name.profile.txt" 2>/dev/null
+done
+python3 - "$W" "$MEASURE_FROM" "$PROFILE_STEP" <<'EOF' | tee "$W/train_ab.txt"
+import glob, json, os, statistics as st, sys
+w, first, prof = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+print(f"{'run':<28} {'tok/s':>9} {'s/step':>7} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'loss@1':>7} {'loss@end':>8}")
+for p in sorted(glob.glob(os.path.join(w, "*.jsonl"))):
+    r = [json.loads(l) for l in open(p)]
+    t = [x for x in r if x["step"] > first and x["step"] != prof]  # the profiled step runs slower or r
+    print(f"{os.path.basename(p)[:-6]:<28} {st.median(x['tokens_per_s'] for x in t):>9,.0f} "
+          f"{st.median(x['step_time_s'] for x in t):>7.3f} {st.median(x['tflops_per_gpu'] for x in t):>8.1f} "
+          f"{100 * st.median(x['mfu'] for x in t):>5.1f}% {max(x['peak_mem_gb'] for x in r):>7.1f} "
+          f"{r[0]['lm_loss']:>7.4f} {r[-1]['lm_loss']:>8.4f}")
+EOF
+cp "$W/train_ab.txt" "$OUT/"
+tar czf "$OUT/train_ab.tgz" -C "$W" .
