@@ -102,8 +102,10 @@ def test_tied_weight_has_one_copy_in_both_places_and_refresh_rounds_the_masters(
     with torch.no_grad():
         for p in bf16.masters:
             p.add_(0.1234567)
+    fc_master = model.fc.weight  # outside compute(): the master
     with bf16.compute():  # not refreshed yet: the old rounding
-        assert not torch.equal(model.fc.weight, bf16.masters[2].to(torch.bfloat16))
+        assert model.fc.weight is not fc_master
+        assert not torch.equal(model.fc.weight, fc_master.detach().to(torch.bfloat16))
     bf16.refresh()
     for c, m in zip(bf16.copies, bf16.masters):
         assert torch.equal(c, m.detach().to(torch.bfloat16))
