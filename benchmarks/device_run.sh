@@ -4,20 +4,12 @@
 #   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [quick]
 # TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
 # TRAIN_CONFIGS / TRAIN_OVERRIDES ('train') narrow a stage.
-# The machine has torch/triton/sentencepiece; megatron-core travels as a wheel in .whl/.
+# Set-up (megatron-core's wheel from .whl/, the kernels mapping): benchmarks/device_env.sh.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=" $* "
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# no registry there, so no pip install of the project: map kernels/ to megatron_moe.kernels by hand
-ln -sfn ../kernels megatron_moe/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+source benchmarks/device_env.sh
+write_env "$OUT/gpu.txt"; cat "$OUT/gpu.txt"
 summary=()
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed

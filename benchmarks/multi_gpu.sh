@@ -25,13 +25,7 @@
 # table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
 OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-[[ -e megatron_moe/kernels ]] || ln -sfn ../kernels megatron_moe/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh
 STEPS=${STEPS:-30}; MB=${MB:-8}; ACC=${ACC:-2}; DEADLINE=${DEADLINE:-560}
 MEASURE_FROM=${MEASURE_FROM:-$((STEPS / 4))}  # medians over the steps after this one (compile, autotune before)
 PROFILE_RUN=${PROFILE_RUN:-dmoe-small-ep8}; PROFILE_STEP=${PROFILE_STEP:-$((STEPS - 5))}
@@ -42,20 +36,16 @@ WAVE_4=${WAVE_4:-"moe-small-ep8:moe-small:0,1,2,3,4,5,6,7:8"}
 WAVE_5=${WAVE_5:-"gpt-small-dp8:gpt-small:0,1,2,3,4,5,6,7:0"}
 WAVE_6=${WAVE_6:-"gpt-medium-dp8:gpt-medium:0,1,2,3,4,5,6,7:0"}
 WAVE_7=${WAVE_7:-"dmoe-small-ep2:dmoe-small:0,1:2 gpt-small-dp2:gpt-small:2,3:0 dmoe-medium-ep4:dmoe-medium:4,5,6,7:4"}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-  date -u +%Y-%m-%dT%H:%M:%SZ; } > "$OUT/env.txt" 2>&1
+write_env "$OUT/env.txt"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 # the default corpus and tokenizer once, before runs start side by side
 python3 -m megatron_moe.data_prep --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
 
 run_one() {  # name config gpus ep [overrides]
-  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb=$MB extra=() o
+  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb extra
   n=$(tr ',' '\n' <<< "$gpus" | wc -l)
-  [[ $ep -gt 0 ]] && extra+=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-})
-  for o in ${own//,/ }; do  # mb=N: this run's micro-batch (global = N x ACC x GPUs)
-    if [[ $o == mb=* ]]; then mb=${o#mb=}; else extra+=("$o"); fi
-  done
+  split_overrides "$own" "$MB"  # mb=N: this run's micro-batch (global = N x ACC x GPUs)
+  [[ $ep -gt 0 ]] && extra=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-} "${extra[@]}")
   local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \

@@ -12,21 +12,13 @@
 # (logs, metrics.jsonl, profile tables) and $OUT/train_ab.txt (the table).
 set -uo pipefail
 OUT=${OUT:-$PWD/train_ab_out}; mkdir -p "$OUT"
-W=$(mktemp -d); export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-[[ -e megatron_moe/kernels ]] || ln -sfn ../kernels megatron_moe/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+W=$(mktemp -d)
+source benchmarks/device_env.sh
 STEPS=${STEPS:-8}; MB=${MB:-64}; GB=${GB:-$MB}; PROFILE_STEP=${PROFILE_STEP:-6}; MEASURE_FROM=${MEASURE_FROM:-3}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-  date -u +%Y-%m-%dT%H:%M:%SZ; } > "$W/env.txt" 2>&1
+write_env "$W/env.txt"
 for spec in ${RUNS:?RUNS is empty}; do
   IFS=: read -r name cfg own <<< "$spec"
-  mb=$MB; extra=()
-  for o in ${own//,/ }; do if [[ $o == mb=* ]]; then mb=${o#mb=}; else extra+=("$o"); fi; done
+  split_overrides "$own" "$MB"
   MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.train \
     --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
     train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \

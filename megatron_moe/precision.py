@@ -45,7 +45,7 @@ class BF16Params:
                  grad_ready: Callable[[torch.nn.Parameter], None] | None = None):
         self.masters = list(params)
         for p in self.masters:
-            if not p.is_floating_point() or p.dtype != torch.float32:
+            if p.dtype != torch.float32:
                 raise ValueError(f"BF16Params: master parameters must be fp32, got {p.dtype}")
         self.copies = [torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                        for p in self.masters]

@@ -441,15 +441,14 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     except ImportError:
         pass
     bf16 = None  # precision.BF16Params: bf16 compute copies of the fp32 parameters
-    if _use_bf16(tc, device) and tc.bf16_params:
+    if not _use_bf16(tc, device):
+        amp, precision = contextlib.nullcontext, "fp32"
+    elif tc.bf16_params:
         bf16 = BF16Params(model, params, grad_ready=reducer.grad_ready)
-        amp = bf16.compute
-        precision = "bf16 params (fp32 masters)"
-    elif _use_bf16(tc, device):
+        amp, precision = bf16.compute, "bf16 params (fp32 masters)"
+    else:
         amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
         precision = "bf16 autocast"
-    else:
-        amp, precision = contextlib.nullcontext, "fp32"
 
     counts = _count_params(mc)
     _print0(rank, f"run {cfg.name}: {run_dir} | {world} x {device.type}"
