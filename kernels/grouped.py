@@ -393,13 +393,15 @@ def _grouped_gemm_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A"])
+# restore_value: benchmarking a config runs the kernel several times, which must not add into an
+# ACCUMULATE output more than once
+@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A", "ACCUMULATE"], restore_value=["out_ptr"])
 @triton.jit
 def _grouped_wgrad_kernel(
     # pointers
     a_ptr,  # [Ma, K] any strides, read through gather_a_ptr (ACT_A 'swiglu': [S, 2K] = [gate | up])
     b_ptr,  # [Mb, N] any strides, read through gather_b_ptr
-    out_ptr,  # [E, K, N] any strides
+    out_ptr,  # [E, K, N] any strides (ACCUMULATE: read, added to, written back)
     scale_ptr,  # fp32 [S]: multiplies b's rows
     a_scale_ptr,  # fp32 [S]: multiplies the recomputed activation (ACT_A only)
     gather_a_ptr, gather_b_ptr,  # int [S]
@@ -414,6 +416,7 @@ def _grouped_wgrad_kernel(
     HAS_GATHER_A: tl.constexpr, HAS_GATHER_B: tl.constexpr, HAS_SCALE: tl.constexpr,
     ACT_A: tl.constexpr,  # "none", or "gelu" / "swiglu": A = a_scale · act(a), a the pre-activation
     HAS_A_SCALE: tl.constexpr, FAST_MATH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,  # out += dw (fp32 out: gradient accumulation over micro-batches)
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -463,7 +466,10 @@ def _grouped_wgrad_kernel(
 
     out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + offs_k[:, None].to(tl.int64) * stride_ok
                 + offs_n[None, :] * stride_on)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :])
+    mask_out = mask_k[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask_out, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -634,17 +640,16 @@ def _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S) 
 
 
 def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
-                         a_activation=None, a_scale_S=None, out_dtype=None, out=None):
-    """Triton launcher of :func:`grouped_wgrad` (``out`` [E, K, N] may be given preallocated)."""
+                         a_activation=None, a_scale_S=None, out_dtype=None, out=None, accumulate=False):
+    """Triton launcher of :func:`grouped_wgrad`."""
     E = offsets_E1.shape[0] - 1
     S, K = _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation, a_scale_S)
     N = b_MN.shape[1]
+    _check_wgrad_out(out, accumulate, (E, K, N), a_MK.device)
     if out is None:
         out = torch.empty(E, K, N, device=a_MK.device, dtype=out_dtype or a_MK.dtype)
-    if out.shape != (E, K, N):
-        raise ValueError(f"out must be [{E}, {K}, {N}], got {tuple(out.shape)}")
     if S == 0:
-        return out.zero_()
+        return out if accumulate else out.zero_()
     if E == 0 or K == 0 or N == 0:
         return out
 
@@ -661,9 +666,20 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
             out.stride(0), out.stride(1), out.stride(2))
     meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
                 HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
-                FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), **_dot_args(a_MK.dtype))
+                FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), ACCUMULATE=bool(accumulate),
+                **_dot_args(a_MK.dtype))
     _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
+
+
+def _check_wgrad_out(out, accumulate, shape, device) -> None:
+    if out is None:
+        if accumulate:
+            raise ValueError("grouped_wgrad: accumulate=True adds into out: pass out (e.g. an fp32 .grad)")
+        return
+    if tuple(out.shape) != shape or out.device != device or not out.is_floating_point():
+        raise ValueError(f"out must be a floating-point [{shape[0]}, {shape[1]}, {shape[2]}] tensor on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
 
 
 def _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation=None,
@@ -783,18 +799,21 @@ def _activation_reference(pre_SX, activation, act_scale_S, out_dtype):
 
 
 def grouped_wgrad_reference(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
-                            a_activation=None, a_scale_S=None, out_dtype=None):
+                            a_activation=None, a_scale_S=None, out_dtype=None, out=None, accumulate=False):
     _, K = _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation, a_scale_S)
     E = offsets_E1.shape[0] - 1
+    _check_wgrad_out(out, accumulate, (E, K, b_MN.shape[1]), a_MK.device)
     a = a_MK if gather_a_S is None else a_MK[gather_a_S.long()]
     if a_activation is not None:
         a = _activation_reference(a, a_activation, a_scale_S, a_MK.dtype)
     b = b_MN if gather_b_S is None else b_MN[gather_b_S.long()]
     b = b.float() if scale_S is None else (b.float() * scale_S[:, None]).to(b.dtype).float()
-    out = torch.zeros(E, K, b_MN.shape[1], device=a_MK.device, dtype=torch.float32)
+    dw = torch.zeros(E, K, b_MN.shape[1], device=a_MK.device, dtype=torch.float32)
     for e, lo, hi in _segments(offsets_E1):
-        out[e] = a[lo:hi].float().t() @ b[lo:hi]
-    return out.to(out_dtype or a_MK.dtype)
+        dw[e] = a[lo:hi].float().t() @ b[lo:hi]
+    if out is None:
+        return dw.to(out_dtype or a_MK.dtype)
+    return out.copy_(out.float() + dw if accumulate else dw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -838,15 +857,18 @@ def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=N
 
 
 def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None,
-                  a_activation=None, a_scale_S=None, out_dtype=None):
+                  a_activation=None, a_scale_S=None, out_dtype=None, out=None, accumulate=False):
     """Grouped weight gradient: dw[e] = Σ_{s of e} A(s)ᵀ · (scale(s) · b[gb(s)]) → [E, K, N].
 
     A(s) = a[ga(s)], or with ``a_activation`` ('gelu' / 'swiglu') the activation recomputed from
     the saved pre-activation a (swiglu: [S, 2K] = [gate | up]) times a_scale(s), rounded to a's
     dtype: exactly what ``grouped_gemm(..., activation=, act_scale_S=)`` wrote as its activation,
     which then need not be kept for the backward. Experts without rows get exact zeros.
-    Accumulates in fp32; returns ``out_dtype`` (default a's).
+    Accumulates in fp32; returns ``out_dtype`` (default a's), or writes into ``out`` [E, K, N]
+    and returns it; with ``accumulate`` ``out += dw`` before the one rounding to out's dtype
+    (fp32 out: gradient accumulation over micro-batches fused into the GEMM's epilogue).
     """
     fn = grouped_wgrad_triton if use_triton(a_MK, b_MN, offsets_E1) else grouped_wgrad_reference
     return fn(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S, scale_S=scale_S,
-              a_activation=a_activation, a_scale_S=a_scale_S, out_dtype=out_dtype)
+              a_activation=a_activation, a_scale_S=a_scale_S, out_dtype=out_dtype, out=out,
+              accumulate=accumulate)

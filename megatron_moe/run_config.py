@@ -94,6 +94,10 @@ class TrainConfig:
     optimizer step, activations bf16 throughout (Megatron-LM's --bf16; megatron_moe/precision.py).
     false: torch.autocast over the fp32 parameters (LayerNorm, bias adds and the residual
     stream in fp32; slower)."""
+    grad_accumulation_fusion: bool = True
+    """With bf16_params: the grouped experts' weight-gradient kernels add into the fp32 master
+    gradients in their epilogues (Megatron-LM's --gradient-accumulation-fusion) instead of
+    writing bf16 gradients that a separate pass adds; the sums are then fp32 throughout."""
     seed: int = 1234
     """Seed of the model init, the data shuffling and every RNG."""
     eval_interval: int = 100
@@ -160,7 +164,8 @@ class TrainConfig:
                 _fail(f"train.{f}", v, "expected a number in [0, 1)")
         if not _is_num(self.adam_eps) or self.adam_eps <= 0:
             _fail("train.adam_eps", self.adam_eps, "expected a number > 0")
-        for f in ("bf16", "bf16_params", "deterministic", "save_final", "overlap_grad_reduce"):
+        for f in ("bf16", "bf16_params", "grad_accumulation_fusion", "deterministic", "save_final",
+                  "overlap_grad_reduce"):
             if not isinstance(getattr(self, f), bool):
                 _fail(f"train.{f}", getattr(self, f), "expected true or false")
         if self.lr_warmup_iters > self.decay_iters:

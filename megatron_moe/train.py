@@ -444,7 +444,8 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     if not _use_bf16(tc, device):
         amp, precision = contextlib.nullcontext, "fp32"
     elif tc.bf16_params:
-        bf16 = BF16Params(model, params, grad_ready=reducer.grad_ready)
+        bf16 = BF16Params(model, params, grad_ready=reducer.grad_ready,
+                          fuse_grad_accumulation=tc.grad_accumulation_fusion)
         amp, precision = bf16.compute, "bf16 params (fp32 masters)"
     else:
         amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731

@@ -274,6 +274,39 @@ def test_grouped_wgrad_kernel(dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_wgrad_accumulates_into_fp32_out(dtype, device):
+    """accumulate=True: out += dw in fp32 before the store (gradient accumulation fusion), for
+    bf16 and fp32 inputs; experts without rows keep out as it was; no rows at all: out unchanged;
+    accumulate=False with out: overwritten. Against float64 sums of the per-expert products."""
+    T, E, K, Ka, Nb = 23, 6, 2, 35, 21
+    r, S, _, gen = kernel_inputs("sparse", T, E, K, device)  # experts 0, 2, 3, 5 empty
+    a = torch.randn(S, Ka, generator=gen).to(device, dtype)
+    b = torch.randn(T, Nb, generator=gen).to(device, dtype)
+    start = torch.randn(E, Ka, Nb, generator=gen).to(device)
+    out = start.clone()
+    kw = dict(gather_b_S=r.sorted_token_N)  # (no scale: its bf16 rounding is the other test's)
+    got = G.grouped_wgrad(a, b, r.expert_offsets_E1, out=out, accumulate=True, **kw)
+    assert got is out and got.dtype == torch.float32
+    e_S = torch.repeat_interleave(torch.arange(E, device=device), r.tokens_per_expert_E.long())
+    b_rows = b[r.sorted_token_N.long()].double()
+    dw = torch.stack([a[e_S == e].double().t() @ b_rows[e_S == e] for e in range(E)])
+    err = (got.double() - (start.double() + dw)).abs().max() / dw.abs().max()
+    assert err < 1e-6, err  # one fp32 rounding of each sum, nothing at bf16
+    empty = r.tokens_per_expert_E.cpu() == 0
+    assert torch.equal(got[empty], start[empty])
+    again = G.grouped_wgrad(a, b, r.expert_offsets_E1, out=got, accumulate=False, **kw)
+    assert ((again.double() - dw).abs().max() / dw.abs().max()) < 1e-6
+    none = routing_metadata(torch.empty(0, K, dtype=torch.long, device=device), E, 16)
+    kept = start.clone()
+    G.grouped_wgrad(a[:0], b[:0], none.expert_offsets_E1, gather_b_S=none.sorted_token_N, out=kept, accumulate=True)
+    assert torch.equal(kept, start)
+    with pytest.raises(ValueError, match="accumulate=True adds into out"):
+        G.grouped_wgrad(a, b, r.expert_offsets_E1, accumulate=True, **kw)
+    with pytest.raises(ValueError, match="out must be"):
+        G.grouped_wgrad(a, b, r.expert_offsets_E1, out=start[:, :, :3], accumulate=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_grouped_wgrad_activation_prologue(activation, dtype, device):
     """dw2 from the saved pre-activation: A(s) = a_scale(s) · act(pre[s]) recomputed in the

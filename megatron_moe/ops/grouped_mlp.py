@@ -17,6 +17,9 @@ pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is fre
                        recomputed from pre in its prologue, rounded as the forward rounded it)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
   7. dx_NH[a(s)] = dpre[s] @ w1[e]ᵀ, then the sum over K        (grouped_gemm, scatter)
+With bf16 compute copies of fp32 weights (precision.BF16Params with gradient-accumulation
+fusion), steps 5 and 6 add their fp32 results straight into the masters' .grad in the kernels'
+epilogues and the Function returns no gradient for w1 and w2 (precision.fp32_grad_of).
 Step 4 overwrites a saved tensor, so the backward runs once per forward (retain_graph=True
 followed by a second backward raises a clear error). On the CPU without the Triton interpreter
 the same Function runs the plain-PyTorch references.
@@ -30,8 +33,21 @@ import torch
 
 from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
 from megatron_moe.kernels.metadata import Routing
+from megatron_moe.precision import fp32_grad_of
 
 ACTIVATIONS = ("gelu", "swiglu")
+
+
+def _weight_grad(sink, dtype, a_MK, b_MN, offsets_E1, **kw):
+    """grouped_wgrad for one weight: a new tensor in its dtype, or, when the weight is a bf16
+    compute copy with a master gradient (``sink``, precision.MasterGrad), None after adding it in
+    fp32 into that gradient."""
+    if sink is None:
+        return grouped_wgrad(a_MK, b_MN, offsets_E1, out_dtype=dtype, **kw)
+    out, accumulate = sink.buffer()
+    grouped_wgrad(a_MK, b_MN, offsets_E1, out=out, accumulate=accumulate, **kw)
+    sink.done()
+    return None
 
 
 def release(t: torch.Tensor) -> None:
@@ -57,6 +73,7 @@ class GroupedMLP(torch.autograd.Function):
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
         ctx.num_assignments = N
         ctx.pre_consumed = False
+        ctx.sinks = (fp32_grad_of(w1_EHF), fp32_grad_of(w2_EFH))  # precision.MasterGrad or None
         return y_TH
 
     @staticmethod
@@ -75,10 +92,10 @@ class GroupedMLP(torch.autograd.Function):
 
         # 5. first: it reads pre (or wact) before step 4 overwrites pre
         if need_w2 and wact_NF is not None:
-            dw2 = grouped_wgrad(wact_NF, dy_TH, offsets_E1, gather_b_S=token_N, out_dtype=w2_EFH.dtype)
+            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, wact_NF, dy_TH, offsets_E1, gather_b_S=token_N)
         elif need_w2:  # recompute_activation: wact = weight · act(pre) in the kernel's prologue
-            dw2 = grouped_wgrad(pre_NF, dy_TH, offsets_E1, gather_b_S=token_N, a_activation=ctx.activation,
-                                a_scale_S=weight_N, out_dtype=w2_EFH.dtype)
+            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, pre_NF, dy_TH, offsets_E1, gather_b_S=token_N,
+                               a_activation=ctx.activation, a_scale_S=weight_N)
         if wact_NF is not None:
             release(wact_NF)
         # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
@@ -89,7 +106,7 @@ class GroupedMLP(torch.autograd.Function):
             dweights.index_copy_(0, sort_order_N.long(), dweight_N)
             dweights = dweights.view(T, K).to(ctx.weights_dtype)
         if need_w1:  # 6.
-            dw1 = grouped_wgrad(x_TH, dpre_NF, offsets_E1, gather_a_S=token_N, out_dtype=w1_EHF.dtype)
+            dw1 = _weight_grad(ctx.sinks[0], w1_EHF.dtype, x_TH, dpre_NF, offsets_E1, gather_a_S=token_N)
         if need_x:  # 7.
             dx_NH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)
             release(dpre_NF)
