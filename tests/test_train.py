@@ -203,8 +203,8 @@ def test_overlap_grad_reduce_matches_plain(workdir, ep, bf16):
 def test_bf16_params_resume_is_exact_and_tracks_fp32(workdir, straight):
     """bf16 compute copies over fp32 masters (forced on the CPU): 8 steps + --resume 8 equal 16
     straight bit for bit (the checkpoint holds the fp32 masters; the copies are re-rounded on
-    load), and the losses stay within bf16 noise of the fp32 run; autocast (bf16_params=false)
-    as well."""
+    load), and the losses stay within bf16 noise of the fp32 run; without the gradient-accumulation
+    fusion and with autocast (bf16_params=false) as well."""
     env = {"MEGATRON_MOE_BF16_ON_CPU": "1"}
     out = _run(_overrides(workdir, "bf16-straight", "logging.wandb=false"), **env)
     assert "bf16 params (fp32 masters)" in out.stdout
@@ -219,6 +219,11 @@ def test_bf16_params_resume_is_exact_and_tracks_fp32(workdir, straight):
     fp32 = [r["lm_loss"] for r in _metrics(straight)]
     assert max(abs(a - b) for a, b in zip(want, fp32)) < 0.05, (want, fp32)
     assert want != fp32  # it really ran in bf16
+    # the experts' gradients through a bf16 tensor and a separate add (no fusion): same model
+    _run(_overrides(workdir, "bf16-unfused", "logging.wandb=false", "train.grad_accumulation_fusion=false",
+                    "train.exit_interval=4"), **env)
+    unfused = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-unfused")]
+    assert len(unfused) == 4 and max(abs(a - b) for a, b in zip(unfused, want)) < 0.02, (unfused, want)
     out = _run(_overrides(workdir, "bf16-autocast", "logging.wandb=false", "train.bf16_params=false",
                           "train.exit_interval=4"), **env)
     assert "bf16 autocast" in out.stdout
