@@ -31,6 +31,7 @@ CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k)
     "paper-moe-m": (16384, 1024, 4096, 64, 1),
     "fine-64e-top8": (8192, 2048, 1024, 64, 8),
     "mixtral-ish": (8192, 4096, 14336, 8, 2),
+    "dmoe-small": (32768, 768, 3072, 64, 1),  # configs/dmoe-small.yaml at micro-batch 32 (training)
 }
 PROVIDERS = ["dense", "torch_grouped_mm", "blocksparse", "grouped", "grouped_mm", "capacity"]
 

@@ -101,8 +101,11 @@ def gemm_problems(shape, device):
     act = torch.randn(S, F, device=device, dtype=bf)
     pre = torch.randn(S, F, device=device, dtype=bf)
     scale = torch.rand(S, device=device)
+    # fp32 master gradients for the accumulating weight-gradient calls (gradient-accumulation fusion)
+    g1 = torch.zeros(E, H, F, device=device)
+    g2 = torch.zeros(E, F, H, device=device)
     return dict(T=T, H=H, F=F, E=E, K=K, S=S, off=off, tok=tok, order=order, x=x, dy=dy, w1=w1, w2=w2,
-                act=act, pre=pre, scale=scale)
+                act=act, pre=pre, scale=scale, g1=g1, g2=g2)
 
 
 def gemm_calls(p):
@@ -118,6 +121,10 @@ def gemm_calls(p):
         "wgrad dw2 w*gelu(pre)T@dy[t]": lambda: G.grouped_wgrad(p["pre"], p["dy"], p["off"], gather_b_S=p["tok"],
                                                                a_activation="gelu", a_scale_S=p["scale"]),
         "wgrad dw1 x[t]T@dpre": lambda: G.grouped_wgrad(p["x"], p["pre"], p["off"], gather_a_S=p["tok"]),
+        "wgrad dw2 actT@dy[t] +=fp32": lambda: G.grouped_wgrad(p["act"], p["dy"], p["off"], gather_b_S=p["tok"],
+                                                              out=p["g2"], accumulate=True),
+        "wgrad dw1 x[t]T@dpre +=fp32": lambda: G.grouped_wgrad(p["x"], p["pre"], p["off"], gather_a_S=p["tok"],
+                                                              out=p["g1"], accumulate=True),
         "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
                                                        scatter_S=p["order"]),
     }
@@ -159,7 +166,8 @@ SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT
     (128, 64, 64, 4, 4, 0, 2), (64, 128, 64, 4, 4, 1, 2),
 ]
 SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
-    (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 2),
+    (64, 64, 64, 4, 4), (64, 64, 64, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 2),
     (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 2), (128, 256, 64, 8, 2),
     (64, 128, 64, 4, 2), (128, 128, 32, 4, 3), (128, 128, 128, 4, 2), (128, 128, 128, 8, 2),
     (64, 128, 128, 4, 3), (128, 256, 128, 8, 2), (128, 64, 128, 4, 3),
@@ -191,9 +199,11 @@ def sweep(p, device, only=None):
                 meta = dict(zip(names, cfg[:3] + cfg[5:]))
                 kern.configs = [triton.Config(meta, num_warps=cfg[3], num_stages=cfg[4])]
                 G.clear_tuning_cache()
+                if "+=" in name:  # accumulating calls: compare one addition into zeros
+                    p["g2" if "dw2" in name else "g1"].zero_()
                 try:
                     got = fn()
-                    got = [t.float() for t in (got if isinstance(got, tuple) else (got,))]
+                    got = [t.to(torch.float32, copy=True) for t in (got if isinstance(got, tuple) else (got,))]
                     ms = _bench(fn, warmup=10, rep=40)
                 except Exception as e:  # out of shared memory etc.
                     out.append(dict(gemm=name, cfg=cfg, error=type(e).__name__))
