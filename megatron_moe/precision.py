@@ -47,8 +47,9 @@ class MasterGrad:
         kernel(..., out=out, accumulate=accumulate)
         sink.done()                       # the readiness call; the Function returns None for w
 
-    One ``done()`` per backward, so a copy used by two such kernels in one graph is not
-    supported (BF16Params only attaches sinks when told to, the training loop always does).
+    ``done()`` reports the master ready, so it belongs once per backward: a copy fed to two
+    accumulating kernels in one graph would be reported twice (each expert weight here is used
+    once per forward).
     """
 
     __slots__ = ("master", "owner")
