@@ -40,7 +40,8 @@ __all__ = ["BF16Params", "MasterGrad", "fp32_grad_of"]
 
 
 class MasterGrad:
-    """A bf16 copy's way into its fp32 master's gradient, for kernels that accumulate in place.
+    """A bf16 copy's way into its fp32 master's gradient: BF16Params' hook goes through it, and
+    so can a kernel that accumulates in place (``fp32_grad_of``, with the fusion on):
 
         sink = fp32_grad_of(w)            # None: return the gradient to autograd as usual
         out, accumulate = sink.buffer()   # master.grad (new and unset on the first micro-batch)
@@ -95,30 +96,31 @@ class BF16Params:
                        for p in self.masters]
         for c, p in zip(self.copies, self.masters):
             c.__dict__.update(p.__dict__)  # marks such as expert_parallel / allreduce
-        self._master_of = {id(c): m for c, m in zip(self.copies, self.masters)}
+        # the one way into a master's gradient: this class's hook, or a fused kernel (MasterGrad)
+        self._sink_of = {id(c): MasterGrad(m, self) for c, m in zip(self.copies, self.masters)}
         copy_of = {id(m): c for m, c in zip(self.masters, self.copies)}
         # every place a master sits in the module tree (a tied weight sits in two)
         self._slots = [(mod, name, copy_of[id(p)], p) for mod in model.modules()
                        for name, p in mod._parameters.items() if p is not None and id(p) in copy_of]
         self.grad_ready = grad_ready
-        for c, p in zip(self.copies, self.masters):
+        for c in self.copies:
             if c.requires_grad:
                 c.register_post_accumulate_grad_hook(self._accumulate)
                 if fuse_grad_accumulation:
-                    c._fp32_master_grad = MasterGrad(p, self)
+                    c._fp32_master_grad = self._sink_of[id(c)]
 
     @torch.no_grad()
     def _accumulate(self, copy: torch.nn.Parameter) -> None:
         if copy.grad is None:  # a kernel added it into the master already (MasterGrad)
             return
-        master = self._master_of[id(copy)]
-        if master.grad is None:
-            master.grad = copy.grad.to(master.dtype)
+        sink = self._sink_of[id(copy)]
+        out, accumulate = sink.buffer()
+        if accumulate:
+            out.add_(copy.grad)
         else:
-            master.grad.add_(copy.grad)
+            out.copy_(copy.grad)
         copy.grad = None
-        if self.grad_ready is not None:
-            self.grad_ready(master)
+        sink.done()
 
     @contextlib.contextmanager
     def compute(self):
