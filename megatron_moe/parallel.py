@@ -263,9 +263,10 @@ def _group_size(group) -> int:
 
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
-                   groups: ParallelGroups | None = None) -> torch.Tensor:
+                   groups: ParallelGroups | None = None, *, scale: bool = True) -> torch.Tensor:
     """Global L2 norm of the gradients, each parameter counted once; scale them to max_norm if
-    above (max_norm 0 = only measure). Returns the norm before clipping (fp32 scalar tensor).
+    above (max_norm 0 = only measure; ``scale=False``: only measure, and let the optimizer apply
+    :func:`clip_coefficient`). Returns the norm before clipping (fp32 scalar tensor).
 
     Dense gradients are identical on every rank after the reduction and count once; under expert
     parallelism each EP rank holds different experts, so their squared norms are summed over
@@ -281,7 +282,15 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float,
     if groups is not None and groups.ep_size > 1:
         dist.all_reduce(expert_sq, group=groups.ep_group)
     total = torch.sqrt(dense_sq + expert_sq)
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = clip_coefficient(total, max_norm) if scale else None
+    if coef is not None:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """min(1, max_norm / (norm + 1e-6)) as a tensor on the norm's device (no host sync); None
+    when max_norm is 0 (no clipping)."""
+    if max_norm <= 0:
+        return None
+    return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)

@@ -5,7 +5,8 @@
         loss = model(...)
     loss.backward()               # each copy's gradient is added into its master's fp32 .grad
     ...reduce, clip, optimizer.step() on the fp32 masters...
-    bf16.refresh()                # round the updated masters into the copies
+    bf16.refresh()                # round the updated masters into the copies (optim.AdamW
+                                  # does this in its step after opt.set_copies(bf16.masters, bf16.copies))
 
 The same arithmetic as Megatron-LM's ``--bf16`` (bf16 parameters, fp32 main parameters and
 gradients in the optimizer), kept on our side of the model: the model holds its fp32

@@ -98,6 +98,10 @@ class TrainConfig:
     """With bf16_params: the grouped experts' weight-gradient kernels add into the fp32 master
     gradients in their epilogues (Megatron-LM's --gradient-accumulation-fusion) instead of
     writing bf16 gradients that a separate pass adds; the sums are then fp32 throughout."""
+    fused_optimizer: bool = True
+    """One pass per step over each parameter for the clipping scale, the AdamW update and the
+    bf16 copies' refresh (a Triton kernel, megatron_moe/optim.py) instead of three (a multiply,
+    torch's fused AdamW, a copy). Same math; false runs the three."""
     seed: int = 1234
     """Seed of the model init, the data shuffling and every RNG."""
     eval_interval: int = 100
@@ -164,7 +168,7 @@ class TrainConfig:
                 _fail(f"train.{f}", v, "expected a number in [0, 1)")
         if not _is_num(self.adam_eps) or self.adam_eps <= 0:
             _fail("train.adam_eps", self.adam_eps, "expected a number > 0")
-        for f in ("bf16", "bf16_params", "grad_accumulation_fusion", "deterministic", "save_final",
+        for f in ("bf16", "bf16_params", "grad_accumulation_fusion", "fused_optimizer", "deterministic", "save_final",
                   "overlap_grad_reduce"):
             if not isinstance(getattr(self, f), bool):
                 _fail(f"train.{f}", getattr(self, f), "expected true or false")

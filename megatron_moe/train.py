@@ -18,7 +18,8 @@ gradients in flattened buckets, dense parameters over all ranks and expert param
 Each step: ``global_batch_size / (micro_batch_size * data_parallel_size)`` micro-batches
 (LM loss scaled by 1/num_micro, aux loss too via ``set_aux_loss_scale``), bucketed
 all-reduce, gradient clipping (global norm, each parameter counted once), AdamW (no decay
-on biases and norm weights), linear warm-up then cosine decay to min_lr, and
+on biases and norm weights; with ``train.fused_optimizer`` the clipping scale, the update and the
+bf16 copies' refresh are one kernel pass, optim.py), linear warm-up then cosine decay to min_lr, and
 ``update_expert_biases``. The data order is a function of the consumed-sample count, so
 ``--resume`` continues exactly: N steps + resume N steps give the same losses as 2N straight.
 Evaluation: every ``train.eval_interval`` steps and at the last step, the mean LM loss over
@@ -71,7 +72,8 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, sa
                          verify_checkpoint)
 from .dispatch import exchange_time_ms
 from .metrics import MetricsLogger, ep_rank_imbalance, expert_load_stats, format_line
-from .parallel import GradReducer, clip_grad_norm, init_parallel_groups
+from .optim import AdamW
+from .parallel import GradReducer, clip_coefficient, clip_grad_norm, init_parallel_groups
 from .precision import BF16Params
 from .run_config import ConfigError, RunConfig, load_config
 
@@ -136,18 +138,17 @@ def _unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter
     return out
 
 
-def build_optimizer(model: torch.nn.Module, tc, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with Megatron's decay rule: no weight decay on biases and 1-D (norm) weights."""
+def build_optimizer(model: torch.nn.Module, tc, device: torch.device) -> AdamW:
+    """AdamW with Megatron's decay rule: no weight decay on biases and 1-D (norm) weights;
+    ``tc.fused_optimizer``: clipping scale, update and bf16 copies in one kernel (optim.py)."""
     decay, no_decay = [], []
     for name, p in _unique_params(model):
         (no_decay if (name.endswith(".bias") or p.ndim == 1) else decay).append(p)
     groups = [{"params": decay, "weight_decay": tc.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
-    if device.type == "cuda":
-        kwargs["fused"] = True
-    return torch.optim.AdamW(groups, **kwargs)
+    return AdamW(groups, lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
+                 fused_kernel=tc.fused_optimizer)
 
 
 def lr_at(step: int, tc) -> float:
@@ -446,6 +447,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     elif tc.bf16_params:
         bf16 = BF16Params(model, params, grad_ready=reducer.grad_ready,
                           fuse_grad_accumulation=tc.grad_accumulation_fusion)
+        optimizer.set_copies(bf16.masters, bf16.copies)  # each step rounds the masters into them
         amp, precision = bf16.compute, "bf16 params (fp32 masters)"
     else:
         amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731
@@ -527,7 +529,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                     cur = torch.stack([l.tokens_per_expert.float() for l in layers])
                     tpe = cur if tpe is None else tpe + cur
             reducer.reduce()
-            grad_norm = clip_grad_norm(params, tc.clip_grad, groups)
+            grad_norm = clip_grad_norm(params, tc.clip_grad, groups, scale=False)  # the step scales
             packed = torch.cat([torch.stack([lm_sum, aux_sum, z_sum]), dropped]
                                + ([tpe.reshape(-1)] if tpe is not None else []))
             if world > 1:
@@ -539,9 +541,7 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
             gnorm = float(packed[-1])
             finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
             if finite:
-                optimizer.step()
-                if bf16 is not None:
-                    bf16.refresh()
+                optimizer.step(grad_scale=clip_coefficient(grad_norm, tc.clip_grad))  # copies too
                 update_expert_biases(model)
                 consecutive = 0
             else:  # skip the update; the step, its data and the schedule still count

@@ -174,6 +174,7 @@ def test_config_from_dict_matches_load_config(tmp_path):
     ("train.bf16=1", r"train\.bf16=1 has the wrong type: expected true or false"),
     ("train.overlap_grad_reduce=sometimes", r"train\.overlap_grad_reduce='sometimes' has the wrong type"),
     ("train.grad_accumulation_fusion=2", r"train\.grad_accumulation_fusion=2 has the wrong type: expected true or false"),
+    ("train.fused_optimizer=fast", r"train\.fused_optimizer='fast' has the wrong type: expected true or false"),
     ("data.default_corpus_mb=-5", r"data\.default_corpus_mb=-5.*positive number of megabytes"),
     ("logging.wandb=yes please", r"logging\.wandb='yes please' has the wrong type"),
     ("train.lr=fast", r"train\.lr='fast' has the wrong type: expected a number"),

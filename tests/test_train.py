@@ -346,7 +346,7 @@ def test_optimizer_no_decay_on_biases_and_norms():
     m = _Tied()
 
     class TC:
-        lr, weight_decay, adam_beta1, adam_beta2, adam_eps = 1e-3, 0.1, 0.9, 0.95, 1e-8
+        lr, weight_decay, adam_beta1, adam_beta2, adam_eps, fused_optimizer = 1e-3, 0.1, 0.9, 0.95, 1e-8, True
 
     opt = build_optimizer(m, TC, torch.device("cpu"))
     decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
