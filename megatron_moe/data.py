@@ -1079,6 +1079,15 @@ def build_datasets(data_cfg: DataConfig, prepared: PreparedData, *, seq_length: 
     return train, valid, test
 
 
+def split_tokens(dataset) -> int | None:
+    """Tokens in one epoch of a split built by :func:`build_datasets` (its documents' lengths
+    summed, EOD tokens included), or None for a missing split or another dataset type."""
+    try:
+        return int(dataset.dataset.sequence_lengths[dataset.indices].sum())
+    except AttributeError:
+        return None
+
+
 def _split_bookends(weights: list[float]) -> list[tuple[float, float]]:
     out, lo = [], 0.0
     for w in weights:

@@ -388,7 +388,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
 def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, ckpt: Path | None,
            step: int, consumed: int, t_start: float) -> dict:
     from . import update_expert_biases
-    from .data import build_datasets, prepare_data
+    from .data import build_datasets, prepare_data, split_tokens
     from .megatron_adapter import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
 
     tc, mc = cfg.train, cfg.model
@@ -412,6 +412,18 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
     if n_valid and valid_ds is None:
         _print0(rank, "warning: the validation split is empty (data.split): evaluation is off")
         n_valid = 0
+    # how often the run goes over its training data: logged with the first step's metrics
+    data_info = {}
+    train_tokens = split_tokens(train_ds)
+    if train_tokens:
+        epochs = n_train * mc.seq_length / train_tokens
+        data_info = {"data_train_tokens": train_tokens, "data_epochs": epochs}
+        _print0(rank, f"data: {train_tokens:,} tokens in the train split ({prepared.num_tokens:,} in "
+                f"all); {tc.train_iters} steps read {n_train * mc.seq_length:,} = {epochs:.2f} epochs"
+                + (" (data repeats: validation loss then also measures memorisation; more data "
+                   "(data.paths, data.default_corpus_mb) or fewer train.train_iters avoid it)"
+                   if epochs > 1 else ""))
+        logger.summary(data_info)
 
     ep = mc.moe.expert_parallel_size if mc.moe is not None else 1
     try:
@@ -587,6 +599,9 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                 _finish_profile(prof, run_dir, step, rank)
             losses.append(lm_loss)
             steps.append(step)
+            if data_info:  # once per process (a resumed run logs it again at its first step)
+                m.update(data_info)
+                data_info = {}
             logger.log(m, step)
             bar.update(1)
             bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{m['tokens_per_s']:,.0f}")

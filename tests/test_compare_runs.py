@@ -64,6 +64,21 @@ def test_cli_writes_table_and_plots(tmp_path):
     assert (tmp_path / "t.md").read_text().startswith("| run |")
 
 
+def test_data_epochs_column_only_when_logged(tmp_path):
+    a = write_run(tmp_path, "dense", 2.0, 1000.0, [4.0, 3.0])
+    b = write_run(tmp_path, "moe", 1.0, 2000.0, [3.5, 2.5])
+    rows, _ = compare_runs.summarize([compare_runs.load_run(str(a)), compare_runs.load_run(str(b))], None, None)
+    assert "data epochs" not in compare_runs.markdown_table(rows)  # older runs: table unchanged
+    lines = (b / "metrics.jsonl").read_text().split("\n")
+    first = json.loads(lines[0])
+    first.update(data_train_tokens=400, data_epochs=2.5)  # what train.py logs with step 1
+    (b / "metrics.jsonl").write_text("\n".join([json.dumps(first)] + lines[1:]))
+    rows, _ = compare_runs.summarize([compare_runs.load_run(str(a)), compare_runs.load_run(str(b))], None, None)
+    table = compare_runs.markdown_table(rows).splitlines()
+    assert table[0].endswith("| data epochs |")
+    assert table[2].endswith("| - |") and table[3].endswith("| 2.50 |")
+
+
 def test_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         compare_runs.load_run(str(tmp_path))

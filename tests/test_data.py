@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megatron_moe import data as D
-from megatron_moe.data import DataConfig, build_datasets, prepare_data
+from megatron_moe.data import DataConfig, build_datasets, prepare_data, split_tokens
 
 WORDS = ("the of and to in is was for on that with as by at from his her they this which "
          "model expert token router layer block sparse matrix gradient batch sequence "
@@ -206,7 +206,7 @@ def test_default_corpus_tokenizes_and_fills_the_default_split(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_splits_are_disjoint_and_sized(prepared):
+def test_splits_are_disjoint_and_sized(prepared, corpus):
     cfg, prep = prepared
     cfg = DataConfig(paths=cfg.paths, tokenizer_vocab_size=400, cache_dir=cfg.cache_dir,
                      split="6,2,2")
@@ -219,6 +219,11 @@ def test_splits_are_disjoint_and_sized(prepared):
                                      n - round(0.8 * n)]
     assert not (idx[0] & idx[1] or idx[0] & idx[2] or idx[1] & idx[2])
     assert set.union(*idx) == set(range(n))
+    # tokens per epoch of each split: its documents' tokens (sequence i is document i here)
+    expected = _seq_tokens(prep.tokenizer(), corpus[1])
+    assert [split_tokens(ds) for ds in (train, valid, test)] == [
+        sum(len(expected[i]) for i in own) for own in idx]
+    assert split_tokens(None) is None
     for ds, own in zip((train, valid, test), idx):
         assert set(np.asarray(ds.document_index).tolist()) <= own  # samples use own sequences
     # the same request loads the cached indices: identical samples

@@ -24,6 +24,7 @@ import torch.nn as nn
 from megatron_moe.checkpoint import (CheckpointError, get_rng_state, latest_checkpoint,
                                      load_checkpoint, save_checkpoint, set_rng_state,
                                      verify_checkpoint)
+from megatron_moe.data import build_datasets, prepare_data, split_tokens
 from megatron_moe.metrics import MetricsLogger, ep_rank_imbalance, expert_load_stats
 from megatron_moe.run_config import load_config
 from megatron_moe.parallel import GradReducer, clip_grad_norm
@@ -121,9 +122,23 @@ def test_metrics_jsonl_has_every_key(straight):
             lo, hi = r[f"expert_load/layer{layer}/min_share"], r[f"expert_load/layer{layer}/max_share"]
             assert 0 <= lo <= 1 / 8 <= hi <= 1
         assert "dropped_fraction" not in r  # dropless
+        # the data's size and the epochs the run reads, once, with the first step
+        assert ("data_train_tokens" in r) == ("data_epochs" in r) == (i == 1)
         assert ("val_loss" in r) == (i % EVAL_EVERY == 0)
         if "val_loss" in r:
             assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-6)
+
+
+def test_first_row_reports_the_training_data(straight):
+    cfg = load_config(straight / "config.yaml")
+    first = _metrics(straight)[0]
+    # the train split's tokens (split_tokens is checked against the tokenizer in test_data.py)
+    train_ds = build_datasets(cfg.data, prepare_data(cfg.data), seq_length=cfg.model.seq_length,
+                              seed=cfg.train.seed, num_samples=(8, 1, 1),
+                              model_vocab_size=cfg.model.vocab_size)[0]
+    assert first["data_train_tokens"] == split_tokens(train_ds) > 0
+    read = cfg.train.train_iters * cfg.train.global_batch_size * cfg.model.seq_length
+    assert first["data_epochs"] == pytest.approx(read / first["data_train_tokens"])
 
 
 def test_wandb_offline_run_exists(straight):

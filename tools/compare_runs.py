@@ -151,6 +151,7 @@ def summarize(runs: list[Run], baseline: str | None, target: float | None) -> tu
             time_to_target_s=time_to_loss(r, target) if target is not None else None,
             startup_s=startup_seconds(r),
             steps=max([m.get("step", 0) for m in r.steps], default=0),
+            data_epochs=max([v for _, v in r.series("data_epochs")], default=None),
         )
         rows.append(row)
     base = next((row for row in rows if row["run"] == baseline), None)
@@ -178,10 +179,15 @@ def _fmt(v, spec):
     return spec.format(v)
 
 
+# shown when some run logged it (runs from before 2026-11-23 did not)
+DATA_EPOCHS = ("data_epochs", "data epochs", "{:.2f}")
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
-    sep = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    body = ["| " + " | ".join(_fmt(r.get(k), spec) for k, _, spec in COLUMNS) + " |" for r in rows]
+    cols = COLUMNS + ([DATA_EPOCHS] if any(r.get("data_epochs") is not None for r in rows) else [])
+    head = "| " + " | ".join(c[1] for c in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(k), spec) for k, _, spec in cols) + " |" for r in rows]
     return "\n".join([head, sep, *body])
 
 
