@@ -71,7 +71,7 @@ class AdamW(torch.optim.AdamW):
             if missing:
                 raise ValueError(f"megatron_moe.optim.AdamW: {missing} of {len(with_grad)} parameters have "
                                  "no compute copy: set_copies must cover every parameter (or none)")
-        params, grads, exp_avgs, exp_avg_sqs, hyper, steps = [], [], [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, hyper, steps, counts = [], [], [], [], [], [], []
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("megatron_moe.optim.AdamW: amsgrad and maximize are not supported")
@@ -89,7 +89,7 @@ class AdamW(torch.optim.AdamW):
                 # spares a device-to-host read and a tensor op per parameter per step
                 t = self._host_step.get(id(p))
                 t = (int(st["step"].item()) if t is None else t) + 1
-                self._host_step[id(p)] = t
+                counts.append(t)
                 steps.append(st["step"])
                 params.append(p)
                 grads.append(p.grad)
@@ -99,12 +99,9 @@ class AdamW(torch.optim.AdamW):
                     by_step[t] = hyperparameters(float(group["lr"]), group["weight_decay"], beta1,
                                                  beta2, group["eps"], t)
                 hyper.append(by_step[t])
-        if steps:
-            torch._foreach_add_(steps, 1.0)
         copies = [self._copy_of[id(p)] for p in params] if self._copy_of else None
-        if copies is not None and len({c.dtype for c in copies}) > 1:
-            raise ValueError("megatron_moe.optim.AdamW: the compute copies must share one dtype")
-        # the one launch per device (a model's parameters share one)
+        # the one launch per device (a model's parameters share one); adamw_step_ checks the
+        # tensors before it changes anything, so the step counts advance only after it
         for dev in {p.device for p in params}:
             idx = [k for k, p in enumerate(params) if p.device == dev]
             pick = lambda xs: [xs[k] for k in idx]  # noqa: E731
@@ -112,6 +109,9 @@ class AdamW(torch.optim.AdamW):
             self._block_map = adamw_step_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
                                           pick(hyper), copies=pick(copies) if copies is not None else None,
                                           grad_scale=scale, block_map=self._block_map)
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+            self._host_step.update(zip(map(id, params), counts))
         return None
 
     def _unfused_step(self, grad_scale):

@@ -194,6 +194,12 @@ def test_nothing_to_update_and_no_closures():
         with pytest.raises(ValueError, match="2 of 3 parameters have no compute copy"):
             opt.step()
         assert all(torch.equal(a, p.detach()) for a, p in zip(before, ps)) and not opt.state
+        # copies of two dtypes: refused by the kernel's checks before any update or step count
+        opt.set_copies(ps, [p.detach().to(torch.bfloat16 if k else torch.float16) for k, p in enumerate(ps)])
+        with pytest.raises(ValueError, match="the copies must share one dtype"):
+            opt.step()
+        assert all(torch.equal(a, p.detach()) for a, p in zip(before, ps))
+        assert all(float(opt.state[p]["step"]) == 0 for p in ps) and not opt._host_step
 
 
 def test_clip_coefficient_and_measure_only_norm():
