@@ -14,7 +14,7 @@ summary=()
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
-    ${TESTS:-tests/test_layer.py tests/test_grouped.py tests/test_blocksparse.py tests/test_metadata.py tests/test_model.py} \
+    ${TESTS:-tests/test_layer.py tests/test_grouped.py tests/test_blocksparse.py tests/test_activation.py tests/test_metadata.py tests/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_layer.py                          # profile + sweep, all configs
     python benchmarks/profile_layer.py --configs paper-moe-m --no-sweep
+    python benchmarks/profile_layer.py --providers grouped_mm --no-gemms  # only the step profile
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
     python benchmarks/profile_layer.py --cprofile --providers grouped   # host Python time per function
 
@@ -302,6 +303,7 @@ def main(argv=None):
     ap.add_argument("--providers", default="dense,torch_grouped_mm,grouped,blocksparse")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-gemms", action="store_true", help="only the per-kernel profile of the providers' steps")
     ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--launch", action="store_true", help="host time per kernel launch, then exit")
@@ -334,6 +336,8 @@ def main(argv=None):
                     print("      host (self CPU per step):")
                     for name, ms, n in row["host"]:
                         print(f"      {ms:8.3f} ms  x{n:<3} {name}")
+        if args.no_gemms:
+            continue
         rows, p = gemm_rows(shape, device)
         res["gemms"] = rows
         for r in rows:

@@ -45,6 +45,7 @@ class Routing:
     padded_row_N: torch.Tensor  # int32 [N]: assignment a -> its row in the padded layout
     padded_src_P: torch.Tensor  # int32 [P_max]: padded row -> assignment a, -1 for padding
     row_block_expert_R: torch.Tensor  # int32 [R_max]: row block -> expert, -1 when unused
+    sorted_row_N: torch.Tensor  # int32 [N]: assignment a -> its sorted position (sort_order_N's inverse)
 
     @property
     def num_assignments(self) -> int:
@@ -111,6 +112,8 @@ def routing_metadata_reference(expert_ids_TK: torch.Tensor, num_experts: int, bl
     padded_row_sorted_N = padded_E1[sorted_expert_N] + pos_N - offsets_E1[sorted_expert_N]
     padded_row_N = torch.empty_like(padded_row_sorted_N)
     padded_row_N[sort_order_N] = padded_row_sorted_N
+    sorted_row_N = torch.empty_like(pos_N)
+    sorted_row_N[sort_order_N] = pos_N
     R_max = max_row_blocks(N, E, B)
     padded_src_P = torch.full((R_max * B,), -1, dtype=torch.int64, device=dev)
     padded_src_P[padded_row_sorted_N] = sort_order_N
@@ -124,6 +127,7 @@ def routing_metadata_reference(expert_ids_TK: torch.Tensor, num_experts: int, bl
         tokens_per_expert_E=counts_E.to(i32), expert_offsets_E1=offsets_E1.to(i32),
         padded_offsets_E1=padded_E1.to(i32), padded_row_N=padded_row_N.to(i32),
         padded_src_P=padded_src_P.to(i32), row_block_expert_R=row_expert_R.to(i32),
+        sorted_row_N=sorted_row_N.to(i32),
     )
 
 
@@ -293,7 +297,7 @@ def _expert_scan_kernel(
 def _scatter_kernel(
     # pointers
     ids32_ptr, rank_ptr, prefix_ptr, offsets_ptr, padded_offsets_ptr,
-    sort_order_ptr, padded_row_ptr, padded_src_ptr, row_expert_ptr,
+    sort_order_ptr, sorted_row_ptr, padded_row_ptr, padded_src_ptr, row_expert_ptr,
     # sizes
     N, B, num_chunks,
     # meta-parameters
@@ -308,6 +312,7 @@ def _scatter_kernel(
     sorted_row = tl.load(offsets_ptr + e, mask=mask, other=0) + before
     padded_row = tl.load(padded_offsets_ptr + e, mask=mask, other=0) + before
     tl.store(sort_order_ptr + sorted_row, a.to(tl.int32), mask=mask)
+    tl.store(sorted_row_ptr + a, sorted_row, mask=mask)
     tl.store(padded_row_ptr + a, padded_row, mask=mask)
     tl.store(padded_src_ptr + padded_row, a.to(tl.int32), mask=mask)
     # A used row block always starts with a real row, whose expert is the block's expert.
@@ -384,7 +389,7 @@ def _routing_metadata_triton(
 
     ids32_N, rank_N, hist_EC = empty(N), empty(N), empty(E, num_chunks)
     counts_E, offsets_E1, padded_E1 = empty(E), empty(E + 1), empty(E + 1)
-    sort_order_N, padded_row_N = empty(N), empty(N)
+    sort_order_N, sorted_row_N, padded_row_N = empty(N), empty(N), empty(N)
     padded_src_P, row_expert_R = empty(P_max), empty(R_max)
     _histogram_kernel[(num_chunks,)](
         ids_N, ids32_N, rank_N, hist_EC, padded_src_P, row_expert_R,
@@ -398,7 +403,7 @@ def _routing_metadata_triton(
     if N:
         _scatter_kernel[(cdiv(N, _BLOCK_SCATTER),)](
             ids32_N, rank_N, hist_EC, offsets_E1, padded_E1,
-            sort_order_N, padded_row_N, padded_src_P, row_expert_R,
+            sort_order_N, sorted_row_N, padded_row_N, padded_src_P, row_expert_R,
             N, B, num_chunks,
             CHUNK=chunk, BLOCK=_BLOCK_SCATTER,
         )
@@ -407,7 +412,7 @@ def _routing_metadata_triton(
         expert_ids_N=ids32_N, sort_order_N=sort_order_N,
         tokens_per_expert_E=counts_E, expert_offsets_E1=offsets_E1,
         padded_offsets_E1=padded_E1, padded_row_N=padded_row_N,
-        padded_src_P=padded_src_P, row_block_expert_R=row_expert_R,
+        padded_src_P=padded_src_P, row_block_expert_R=row_expert_R, sorted_row_N=sorted_row_N,
     )
 
 

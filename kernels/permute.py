@@ -1,20 +1,24 @@
-"""Padded gather / scatter: tokens <-> the expert-sorted, block-padded layout of the block-sparse path.
+"""Gather / scatter: tokens <-> rows sorted by expert, block-padded (the block-sparse path) or not
+(the torch._grouped_mm path).
 
 Legend (shape suffixes):
   T tokens, K top_k, N = T*K assignments (assignment a = t*K + k), H hidden,
-  P_max padded rows (R_max row blocks of B rows, see :mod:`.metadata`).
+  P rows of the layout: P_max padded rows (R_max row blocks of B rows, see :mod:`.metadata`)
+  for layout='padded', N for layout='sorted'. src[p]: row -> assignment (-1 padding),
+  row[a]: assignment -> row (padded: padded_src_P / padded_row_N; sorted: sort_order_N /
+  sorted_row_N).
 
-  padded_gather   x_TH  -> x_PH   row p = x[token of padded_src_P[p]] (times its router weight
-                                   when weights are given); padding rows (-1) are zero.
-  padded_scatter  y_PH  -> y_TH   y[t] = sum_k w[t, k] * y_P[padded_row_N[t*K + k]] (w = 1 when no
-                                   weights are given). Each output row sums its own K rows in a
-                                   fixed order: deterministic, no atomics.
-  padded_scatter_weight_grad  (dy_TH, y_PH) -> dw_TK (fp32)
-                                   dw[t, k] = sum_h dy[t, h] * y_P[padded_row_N[t*K + k], h].
+  gather_rows   x_TH  -> x_PH   row p = x[token of src[p]] (times its router weight when weights
+                                 are given); padding rows (-1) are zero.
+  scatter_rows  y_PH  -> y_TH   y[t] = sum_k w[t, k] * y_P[row[t*K + k]] (w = 1 when no weights
+                                 are given). Each output row sums its own K rows in a fixed order:
+                                 deterministic, no atomics.
+  scatter_rows_weight_grad  (dy_TH, y_PH) -> dw_TK (fp32)
+                                 dw[t, k] = sum_h dy[t, h] * y_P[row[t*K + k], h].
 
-Backward of the pair: the gradient of padded_gather is padded_scatter without weights, the
-gradient of padded_scatter wrt y_PH is padded_gather of dy with the weights. All three launch
-over host-known sizes (T, N, P_max), so nothing here synchronises with the host.
+Backward of the pair: the gradient of gather_rows is scatter_rows without weights, the gradient
+of scatter_rows wrt y_PH is gather_rows of dy with the weights. All three launch over host-known
+sizes (T, N, P_max), so nothing here synchronises with the host.
 """
 from __future__ import annotations
 
@@ -34,14 +38,14 @@ def _block_h(H: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# padded_gather
+# gather_rows
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _padded_gather_kernel(
+def _gather_rows_kernel(
     # pointers
-    x_ptr, w_ptr, out_ptr, padded_src_ptr,
+    x_ptr, w_ptr, out_ptr, src_ptr,
     # sizes
     P, H, K,
     # strides
@@ -53,7 +57,7 @@ def _padded_gather_kernel(
     offs_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_p = offs_p < P
     mask_h = offs_h < H
-    src = tl.load(padded_src_ptr + offs_p, mask=mask_p, other=-1).to(tl.int64)
+    src = tl.load(src_ptr + offs_p, mask=mask_p, other=-1).to(tl.int64)
     valid = src >= 0
     src = tl.where(valid, src, 0)
     token = src // K
@@ -66,15 +70,27 @@ def _padded_gather_kernel(
              x.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_h[None, :])
 
 
-def padded_gather_triton(x_TH, routing: Routing, weights_TK=None, out=None):
+def _layout(routing: Routing, layout: str):
+    """(row -> assignment index or -1, assignment -> row, rows) of the layout's row order."""
+    if layout == "padded":
+        return routing.padded_src_P, routing.padded_row_N, routing.max_padded_rows
+    if layout == "sorted":
+        return routing.sort_order_N, routing.sorted_row_N, routing.num_assignments
+    raise ValueError(f"layout={layout!r}: expected 'padded' (block-padded rows, the block-sparse path) "
+                     "or 'sorted' (rows sorted by expert, no padding)")
+
+
+def gather_rows_triton(x_TH, routing: Routing, weights_TK=None, out=None, layout="padded"):
     T, H = x_TH.shape
-    P = routing.max_padded_rows
+    src_P, _, P = _layout(routing, layout)
     out = torch.empty(P, H, dtype=x_TH.dtype, device=x_TH.device) if out is None else out
+    if P == 0 or H == 0:
+        return out
     w = x_TH if weights_TK is None else weights_TK  # dummy pointer when there are no weights
     BLOCK_P, BLOCK_H = 16, _block_h(H)
     grid = (cdiv(P, BLOCK_P), cdiv(H, BLOCK_H))
-    _padded_gather_kernel[grid](
-        x_TH, w, out, routing.padded_src_P,
+    _gather_rows_kernel[grid](
+        x_TH, w, out, src_P,
         P, H, routing.top_k,
         x_TH.stride(0), x_TH.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         HAS_WEIGHTS=weights_TK is not None, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H,
@@ -82,8 +98,8 @@ def padded_gather_triton(x_TH, routing: Routing, weights_TK=None, out=None):
     return out
 
 
-def padded_gather_reference(x_TH, routing: Routing, weights_TK=None, out=None):
-    src_P = routing.padded_src_P.long()
+def gather_rows_reference(x_TH, routing: Routing, weights_TK=None, out=None, layout="padded"):
+    src_P = _layout(routing, layout)[0].long()
     if x_TH.shape[0] == 0:  # no tokens (e.g. an expert-parallel rank that received none)
         x_PH = x_TH.new_zeros(src_P.shape[0], x_TH.shape[1])
         return x_PH if out is None else out.copy_(x_PH)
@@ -98,28 +114,30 @@ def padded_gather_reference(x_TH, routing: Routing, weights_TK=None, out=None):
     return out.copy_(x_PH)
 
 
-def padded_gather(x_TH, routing: Routing, weights_TK=None, out=None):
-    """[T, H] -> [P_max, H]: row p holds token padded_src_P[p] // K (scaled by its router weight
-    when ``weights_TK`` is given); padding rows are zero."""
+def gather_rows(x_TH, routing: Routing, weights_TK=None, out=None, layout="padded"):
+    """[T, H] -> [rows, H]: row p holds the token of assignment src[p] (times its router weight when
+    ``weights_TK`` is given, the product rounded once); padding rows are zero.
+    layout 'padded': rows = P_max, src = padded_src_P; 'sorted': rows = N, src = sort_order_N."""
     _check_tokens(x_TH, routing, "x_TH")
     _check_weights(weights_TK, routing)
-    if out is not None and tuple(out.shape) != (routing.max_padded_rows, x_TH.shape[1]):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(routing.max_padded_rows, x_TH.shape[1])}")
+    rows = _layout(routing, layout)[2]
+    if out is not None and tuple(out.shape) != (rows, x_TH.shape[1]):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(rows, x_TH.shape[1])}")
     tensors = [x_TH] + ([] if weights_TK is None else [weights_TK])
     if use_triton(*tensors):
-        return padded_gather_triton(x_TH, routing, weights_TK, out)
-    return padded_gather_reference(x_TH, routing, weights_TK, out)
+        return gather_rows_triton(x_TH, routing, weights_TK, out, layout)
+    return gather_rows_reference(x_TH, routing, weights_TK, out, layout)
 
 
 # ----------------------------------------------------------------------------------------------
-# padded_scatter
+# scatter_rows
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _padded_scatter_kernel(
+def _scatter_rows_kernel(
     # pointers
-    y_ptr, w_ptr, out_ptr, padded_row_ptr,
+    y_ptr, w_ptr, out_ptr, row_ptr,
     # sizes
     T, H, K,
     # strides
@@ -133,7 +151,7 @@ def _padded_scatter_kernel(
     mask_h = offs_h < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for k in range(0, K):
-        row = tl.load(padded_row_ptr + offs_t * K + k, mask=mask_t, other=0).to(tl.int64)
+        row = tl.load(row_ptr + offs_t * K + k, mask=mask_t, other=0).to(tl.int64)
         y = tl.load(y_ptr + row[:, None] * stride_yp + offs_h[None, :] * stride_yh,
                     mask=mask_t[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
@@ -144,14 +162,17 @@ def _padded_scatter_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_h[None, :])
 
 
-def padded_scatter_triton(y_PH, weights_TK, routing: Routing, out=None):
+def scatter_rows_triton(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
     T, H = routing.num_tokens, y_PH.shape[1]
+    _, row_N, _ = _layout(routing, layout)
     out = torch.empty(T, H, dtype=y_PH.dtype, device=y_PH.device) if out is None else out
+    if T == 0 or H == 0:
+        return out
     w = y_PH if weights_TK is None else weights_TK
     BLOCK_T, BLOCK_H = 16, _block_h(H)
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
-    _padded_scatter_kernel[grid](
-        y_PH, w, out, routing.padded_row_N,
+    _scatter_rows_kernel[grid](
+        y_PH, w, out, row_N,
         T, H, routing.top_k,
         y_PH.stride(0), y_PH.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         HAS_WEIGHTS=weights_TK is not None, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
@@ -159,9 +180,9 @@ def padded_scatter_triton(y_PH, weights_TK, routing: Routing, out=None):
     return out
 
 
-def padded_scatter_reference(y_PH, weights_TK, routing: Routing, out=None):
+def scatter_rows_reference(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
     T, K, H = routing.num_tokens, routing.top_k, y_PH.shape[1]
-    y_NH = y_PH[routing.padded_row_N.long()].float()
+    y_NH = y_PH[_layout(routing, layout)[1].long()].float()
     if weights_TK is not None:
         y_NH = y_NH * weights_TK.reshape(-1, 1).float()
     y_TH = y_NH.view(T, K, H).sum(1).to(y_PH.dtype)
@@ -170,29 +191,31 @@ def padded_scatter_reference(y_PH, weights_TK, routing: Routing, out=None):
     return out.copy_(y_TH)
 
 
-def padded_scatter(y_PH, weights_TK, routing: Routing, out=None):
-    """[P_max, H] -> [T, H]: y[t] = sum_k weights[t, k] * y_P[padded_row_N[t*K + k]] (weights 1 when
-    ``weights_TK`` is None), summed in fp32 by the row's own program; output in y_PH's dtype."""
-    if y_PH.dim() != 2 or y_PH.shape[0] != routing.max_padded_rows:
-        raise ValueError(f"y_PH has shape {tuple(y_PH.shape)}, expected [{routing.max_padded_rows}, H]")
+def scatter_rows(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
+    """[rows, H] -> [T, H]: y[t] = sum_k weights[t, k] * y_P[row[t*K + k]] (weights 1 when
+    ``weights_TK`` is None), summed in fp32 by the row's own program; output in y_PH's dtype.
+    layout 'padded': rows = P_max, row = padded_row_N; 'sorted': rows = N, row = sorted_row_N."""
+    rows = _layout(routing, layout)[2]
+    if y_PH.dim() != 2 or y_PH.shape[0] != rows:
+        raise ValueError(f"y_PH has shape {tuple(y_PH.shape)}, expected [{rows}, H] ({layout} rows)")
     _check_weights(weights_TK, routing)
     if out is not None and tuple(out.shape) != (routing.num_tokens, y_PH.shape[1]):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(routing.num_tokens, y_PH.shape[1])}")
     tensors = [y_PH] + ([] if weights_TK is None else [weights_TK])
     if use_triton(*tensors):
-        return padded_scatter_triton(y_PH, weights_TK, routing, out)
-    return padded_scatter_reference(y_PH, weights_TK, routing, out)
+        return scatter_rows_triton(y_PH, weights_TK, routing, out, layout)
+    return scatter_rows_reference(y_PH, weights_TK, routing, out, layout)
 
 
 # ----------------------------------------------------------------------------------------------
-# padded_scatter_weight_grad
+# scatter_rows_weight_grad
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _scatter_weight_grad_kernel(
     # pointers
-    dy_ptr, y_ptr, out_ptr, padded_row_ptr,
+    dy_ptr, y_ptr, out_ptr, row_ptr,
     # sizes
     N, H, K,
     # strides
@@ -203,7 +226,7 @@ def _scatter_weight_grad_kernel(
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     token = offs_n // K
-    row = tl.load(padded_row_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+    row = tl.load(row_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -214,12 +237,14 @@ def _scatter_weight_grad_kernel(
     tl.store(out_ptr + offs_n, acc, mask=mask_n)
 
 
-def padded_scatter_weight_grad_triton(dy_TH, y_PH, routing: Routing):
+def scatter_rows_weight_grad_triton(dy_TH, y_PH, routing: Routing, layout="padded"):
     N, H = routing.num_assignments, y_PH.shape[1]
     out = torch.empty(routing.num_tokens, routing.top_k, dtype=torch.float32, device=y_PH.device)
+    if N == 0:
+        return out
     BLOCK_N, BLOCK_H = 16, min(_block_h(H), 128)
     _scatter_weight_grad_kernel[(cdiv(N, BLOCK_N),)](
-        dy_TH, y_PH, out, routing.padded_row_N,
+        dy_TH, y_PH, out, _layout(routing, layout)[1],
         N, H, routing.top_k,
         dy_TH.stride(0), dy_TH.stride(1), y_PH.stride(0), y_PH.stride(1),
         BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
@@ -227,21 +252,22 @@ def padded_scatter_weight_grad_triton(dy_TH, y_PH, routing: Routing):
     return out
 
 
-def padded_scatter_weight_grad_reference(dy_TH, y_PH, routing: Routing):
+def scatter_rows_weight_grad_reference(dy_TH, y_PH, routing: Routing, layout="padded"):
     T, K, H = routing.num_tokens, routing.top_k, y_PH.shape[1]
-    y_TKH = y_PH[routing.padded_row_N.long()].float().view(T, K, H)
+    y_TKH = y_PH[_layout(routing, layout)[1].long()].float().view(T, K, H)
     return (dy_TH.float()[:, None, :] * y_TKH).sum(-1)
 
 
-def padded_scatter_weight_grad(dy_TH, y_PH, routing: Routing):
-    """Gradient of :func:`padded_scatter` wrt its weights: fp32 [T, K],
-    dw[t, k] = sum_h dy[t, h] * y_P[padded_row_N[t*K + k], h]."""
+def scatter_rows_weight_grad(dy_TH, y_PH, routing: Routing, layout="padded"):
+    """Gradient of :func:`scatter_rows` wrt its weights: fp32 [T, K],
+    dw[t, k] = sum_h dy[t, h] * y_P[row[t*K + k], h]."""
     _check_tokens(dy_TH, routing, "dy_TH")
-    if y_PH.dim() != 2 or tuple(y_PH.shape) != (routing.max_padded_rows, dy_TH.shape[1]):
-        raise ValueError(f"y_PH has shape {tuple(y_PH.shape)}, expected {(routing.max_padded_rows, dy_TH.shape[1])}")
+    rows = _layout(routing, layout)[2]
+    if y_PH.dim() != 2 or tuple(y_PH.shape) != (rows, dy_TH.shape[1]):
+        raise ValueError(f"y_PH has shape {tuple(y_PH.shape)}, expected {(rows, dy_TH.shape[1])}")
     if use_triton(dy_TH, y_PH):
-        return padded_scatter_weight_grad_triton(dy_TH, y_PH, routing)
-    return padded_scatter_weight_grad_reference(dy_TH, y_PH, routing)
+        return scatter_rows_weight_grad_triton(dy_TH, y_PH, routing, layout)
+    return scatter_rows_weight_grad_reference(dy_TH, y_PH, routing, layout)
 
 
 def _check_tokens(x_TH, routing: Routing, name: str) -> None:

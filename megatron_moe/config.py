@@ -9,7 +9,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-MLP_IMPLS = ("blocksparse", "grouped", "grouped_mm", "capacity", "reference")
+MLP_IMPLS = ("auto", "blocksparse", "grouped", "grouped_mm", "capacity", "reference")
+AUTO_GROUPED_MM_MIN_WIDTH = 4096  # mlp_impl='auto': torch._grouped_mm from this hidden and ffn size up
 ACTIVATIONS = ("gelu", "swiglu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 A2A_SPLITS = ("host", "padded")
@@ -27,11 +28,12 @@ class MoEConfig:
     """Experts per token, 1 <= top_k <= num_experts."""
     activation: str = "gelu"
     """'gelu' (tanh approximation, as in the paper) or 'swiglu' (silu(gate) * up)."""
-    mlp_impl: str = "grouped"
+    mlp_impl: str = "auto"
     """Expert compute: 'blocksparse' (the paper's SDD/DSD), 'grouped' (our Triton grouped GEMM
     with the gather/scatter fused), 'grouped_mm' (the same math on torch._grouped_mm, CUTLASS:
     faster for large experts, bf16 on CUDA), 'capacity' (Tutel/GShard capacity-factor, drops
-    tokens) or 'reference' (plain PyTorch loop over experts)."""
+    tokens), 'reference' (plain PyTorch loop over experts) or 'auto' (the faster dropless path
+    for the shapes and dtype in the layer benchmark: see :func:`resolve_mlp_impl`)."""
     block_size: int = 128
     """Block size of the block-sparse path: each expert's token bin is padded to it."""
     recompute_activation: bool = False
@@ -100,10 +102,10 @@ def validate_moe_config(cfg: MoEConfig) -> None:
         _fail("mlp_impl", cfg.mlp_impl, f"expected one of {MLP_IMPLS}")
     if cfg.a2a_splits not in A2A_SPLITS:
         _fail("a2a_splits", cfg.a2a_splits, f"expected one of {A2A_SPLITS}")
-    if cfg.a2a_splits == "padded" and cfg.mlp_impl not in ("grouped", "reference"):
+    if cfg.a2a_splits == "padded" and cfg.mlp_impl not in ("grouped", "reference", "auto"):
         _fail("a2a_splits", cfg.a2a_splits, f"expected 'host' with mlp_impl={cfg.mlp_impl!r} ('padded' "
-              "runs with mlp_impl grouped or reference)")
-    if cfg.recompute_activation is True and cfg.mlp_impl != "grouped":
+              "runs with mlp_impl grouped, reference or auto)")
+    if cfg.recompute_activation is True and cfg.mlp_impl not in ("grouped", "auto"):
         _fail("recompute_activation", cfg.recompute_activation, f"expected false with mlp_impl={cfg.mlp_impl!r} "
               "(it applies to 'grouped'; 'grouped_mm' always recomputes the activation)")
     if cfg.score_function not in SCORE_FUNCTIONS:
@@ -134,3 +136,4 @@ def validate_moe_config(cfg: MoEConfig) -> None:
         isinstance(cfg.output_init_std, (int, float)) and cfg.output_init_std > 0
     ):
         _fail("output_init_std", cfg.output_init_std, "expected a number > 0 or null")
+

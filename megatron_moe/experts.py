@@ -13,7 +13,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import MoEConfig
+from .config import AUTO_GROUPED_MM_MIN_WIDTH, MoEConfig
+
+
+def resolve_mlp_impl(cfg: MoEConfig, dtype, device_type: str) -> str:
+    """The expert compute path that runs: ``cfg.mlp_impl`` itself unless it is 'auto'.
+
+    'auto' follows the layer benchmark (benchmarks/bench_layer.py, H100, 2026-11-23, README):
+    torch._grouped_mm ('grouped_mm') when both hidden and ffn sizes are at least
+    AUTO_GROUPED_MM_MIN_WIDTH (mixtral-ish, 4096 x 14336: 0.89 of a dense MLP against 0.64 for
+    'grouped'), our fused Triton kernels ('grouped') below it (paper-moe-m 1024 x 4096 and
+    fine-64e-top8 2048 x 1024: 'grouped' ahead). grouped_mm only where it runs and fits the
+    options: bfloat16 on CUDA, sizes multiples of 8, exact all-to-all splits, no recompute_activation.
+    """
+    if cfg.mlp_impl != "auto":
+        return cfg.mlp_impl
+    H, F_ = cfg.hidden_size, cfg.ffn_hidden_size
+    wide = min(H, F_) >= AUTO_GROUPED_MM_MIN_WIDTH and H % 8 == 0 and F_ % 8 == 0
+    runs = device_type != "cuda" or dtype == torch.bfloat16
+    if wide and runs and cfg.a2a_splits == "host" and not cfg.recompute_activation:
+        return "grouped_mm"
+    return "grouped"
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -100,7 +120,7 @@ class Experts(nn.Module):
         cfg = self.cfg
         w1 = self.w1 if w1 is None else w1
         w2 = self.w2 if w2 is None else w2
-        impl = cfg.mlp_impl
+        impl = resolve_mlp_impl(cfg, x_TH.dtype, x_TH.device.type)
         if impl == "reference":
             return reference_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation), None
         if impl == "capacity":

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .config import MoEConfig
 from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, PaddedAllToAllDispatcher
-from .experts import Experts, SharedExpert
+from .experts import Experts, SharedExpert, resolve_mlp_impl
 from .router import TopKRouter
 
 
@@ -84,8 +84,9 @@ class DroplessMoE(nn.Module):
             dtype = torch.get_autocast_dtype(dev)
         else:
             dtype = x.dtype
-        if self.cfg.mlp_impl in ("grouped", "blocksparse") and dtype not in KERNEL_DTYPES:
-            raise ValueError(f"DroplessMoE input x has dtype {dtype}: mlp_impl={self.cfg.mlp_impl!r} "
+        impl = resolve_mlp_impl(self.cfg, dtype, dev)
+        if impl in ("grouped", "blocksparse") and dtype not in KERNEL_DTYPES:
+            raise ValueError(f"DroplessMoE input x has dtype {dtype}: mlp_impl={impl!r} "
                              "runs float32, bfloat16 or float16; cast the input, or use "
                              "mlp_impl='reference' for other dtypes")
         with torch.autocast(dev, enabled=False):

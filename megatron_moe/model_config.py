@@ -65,9 +65,12 @@ class MoESection:
     """Experts per token (the paper: 1)."""
     moe_layer_freq: int = 1
     """Every N-th layer is MoE, starting with layer 1 (1 = every layer, the paper's dMoE)."""
-    mlp_impl: str = "blocksparse"
-    """'blocksparse' (the paper's dMoE), 'grouped', 'capacity' (token-dropping, capacity_factor)
-    or 'reference' (plain PyTorch, slow)."""
+    mlp_impl: str = "auto"
+    """'auto' (the faster dropless path for the layer's shapes: 'grouped', or 'grouped_mm' when
+    hidden and ffn are both >= 4096; megatron_moe.experts.resolve_mlp_impl), 'blocksparse' (the
+    paper's dMoE kernels), 'grouped' (our fused Triton grouped GEMMs), 'grouped_mm'
+    (torch._grouped_mm), 'capacity' (token-dropping, capacity_factor) or 'reference' (plain
+    PyTorch, slow)."""
     capacity_factor: float = 1.0
     """mlp_impl='capacity' only: each expert takes at most ceil(cf * tokens * top_k / E) tokens."""
     block_size: int = 128

@@ -1,4 +1,4 @@
-"""Block-sparse path: padded gather/scatter, SDD/DSD/DDS/TSD kernels and the blocksparse_mlp op.
+"""Block-sparse path: gather/scatter of rows (padded and sorted layouts), SDD/DSD/DDS/TSD kernels and the blocksparse_mlp op.
 
 Kernels are checked against a dense torch.mm masked to the topology (built here from the expert
 ids alone); the op against a float64 per-token loop. Outputs are poisoned (NaN) before the
@@ -122,21 +122,31 @@ def _impl(name, impl):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["top1_16_experts", "topk_eq_experts"])
+@pytest.mark.parametrize("case", ["top1_16_experts", "topk_eq_experts", "empty_experts"])
+@pytest.mark.parametrize("layout", ["padded", "sorted"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_padded_gather_scatter(case, impl, device):
+def test_gather_scatter_rows(case, layout, impl, device):
+    """Both row layouts against per-row loops over the layout's definition (padded: block-padded
+    bins, padding rows zero and never read; sorted: assignments stably sorted by expert)."""
     ids, routing, gen, (T, K, E, _) = setup_case(case, device)
     H = 40
     x = torch.randn(T, H, generator=gen).to(device)
     w = torch.rand(T, K, generator=gen).to(device)
-    gather = pm.padded_gather if impl == "triton" else pm.padded_gather_reference
-    scatter = pm.padded_scatter if impl == "triton" else pm.padded_scatter_reference
-    wgrad = pm.padded_scatter_weight_grad if impl == "triton" else pm.padded_scatter_weight_grad_reference
-    P = routing.max_padded_rows
-    src = routing.padded_src_P.cpu().long()
+    gather = pm.gather_rows if impl == "triton" else pm.gather_rows_reference
+    scatter = pm.scatter_rows if impl == "triton" else pm.scatter_rows_reference
+    wgrad = pm.scatter_rows_weight_grad if impl == "triton" else pm.scatter_rows_weight_grad_reference
+    if layout == "padded":
+        P = routing.max_padded_rows
+        src = routing.padded_src_P.cpu().long()
+    else:  # independent of the metadata: a stable sort of the assignments by expert
+        P = T * K
+        src = torch.sort(ids.cpu().reshape(-1), stable=True).indices
+    rows = torch.full((T * K,), -1, dtype=torch.long)
+    rows[src[src >= 0]] = torch.arange(P)[src >= 0]
+    rows = rows.view(T, K)
 
     for weights in (None, w):
-        x_P = gather(x, routing, weights, out=poisoned((P, H), x.dtype, device))
+        x_P = gather(x, routing, weights, out=poisoned((P, H), x.dtype, device), layout=layout)
         expected = torch.zeros(P, H, dtype=torch.float64)
         for p in range(P):
             if src[p] >= 0:
@@ -147,9 +157,8 @@ def test_padded_gather_scatter(case, impl, device):
     y_P = torch.randn(P, H, generator=gen)
     y_P[src < 0] = float("nan")  # padding rows are never read
     y_P = y_P.to(device)
-    rows = routing.padded_row_N.cpu().long().view(T, K)
     for weights in (None, w):
-        y = scatter(y_P, weights, routing, out=poisoned((T, H), y_P.dtype, device))
+        y = scatter(y_P, weights, routing, out=poisoned((T, H), y_P.dtype, device), layout=layout)
         wk = torch.ones(T, K) if weights is None else w.cpu()
         expected = torch.stack([sum(wk[t, k].double() * y_P[rows[t, k]].double().cpu() for k in range(K))
                                 for t in range(T)])
@@ -158,9 +167,20 @@ def test_padded_gather_scatter(case, impl, device):
     dy = torch.randn(T, H, generator=gen).to(device)
     expected = torch.tensor([[float(dy[t].double().cpu() @ y_P[rows[t, k]].double().cpu()) for k in range(K)]
                              for t in range(T)])
-    dw = wgrad(dy, y_P, routing)
+    dw = wgrad(dy, y_P, routing, layout=layout)
     assert dw.dtype == torch.float32 and dw.shape == (T, K)
     assert_close(dw, expected, atol=1e-4, rtol=1e-5)
+
+
+def test_gather_scatter_rows_errors(device):
+    ids, routing, gen, (T, K, E, _) = setup_case("topk_eq_experts", device)
+    x = torch.randn(T, 8, device=device)
+    with pytest.raises(ValueError, match="layout='blocked'"):
+        pm.gather_rows(x, routing, layout="blocked")
+    with pytest.raises(ValueError, match=r"y_PH has shape .*sorted rows"):
+        pm.scatter_rows(torch.zeros(routing.max_padded_rows + 1, 8, device=device), None, routing, layout="sorted")
+    with pytest.raises(ValueError, match="y_PH has shape"):
+        pm.scatter_rows_weight_grad(x, torch.zeros(T * K + 1, 8, device=device), routing, layout="sorted")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,7 +344,7 @@ def test_shape_errors(device):
     with pytest.raises(ValueError, match="dtype"):
         bs.dsd(torch.zeros(topo.max_blocks, B, B, device=device), torch.randn(E, Fdim, 8, device=device).double(), topo)
     with pytest.raises(ValueError, match="weights_TK"):
-        pm.padded_scatter(torch.zeros(P, 8, device=device), torch.ones(T, K + 1, device=device), routing)
+        pm.scatter_rows(torch.zeros(P, 8, device=device), torch.ones(T, K + 1, device=device), routing)
 
 
 # ----------------------------------------------------------------------------------------------

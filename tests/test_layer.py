@@ -162,6 +162,20 @@ def test_seq_batch_input_shape():
     torch.testing.assert_close(y, layer(x.reshape(15, 32)).reshape(5, 3, 32))
 
 
+@pytest.mark.parametrize("impl", DROPLESS)
+def test_empty_batch(impl):
+    """No tokens (e.g. an expert-parallel rank that received none): empty output, zero gradients."""
+    layer = make_layer(cfg_(mlp_impl=impl, top_k=2), device=DEVICE)
+    dtype = torch.bfloat16 if impl == "grouped_mm" and DEVICE == "cuda" else torch.float32
+    x = torch.randn(0, 32, device=DEVICE, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32)
+    for p in (layer.experts.w1, layer.experts.w2):
+        assert p.grad is None or not p.grad.any()
+
+
 @pytest.mark.parametrize("impl", ["grouped", "grouped_mm", "blocksparse", "capacity"])
 def test_weights_interchangeable_between_impls(impl):
     ref = make_layer(cfg_(top_k=2, mlp_impl="reference"), seed=3)
@@ -180,6 +194,40 @@ def test_second_backward_is_a_clear_error(impl):
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         y.sum().backward()
+
+
+def test_auto_impl_follows_the_benchmark():
+    """'auto' (the default): torch._grouped_mm for wide experts where it runs, our kernels otherwise."""
+    from megatron_moe.experts import resolve_mlp_impl
+
+    assert MoEConfig(hidden_size=8, ffn_hidden_size=8).mlp_impl == "auto"
+    wide = dict(mlp_impl="auto", hidden_size=4096, ffn_hidden_size=14336)
+    assert resolve_mlp_impl(cfg_(**wide), torch.bfloat16, "cuda") == "grouped_mm"
+    assert resolve_mlp_impl(cfg_(**wide), torch.bfloat16, "cpu") == "grouped_mm"
+    assert resolve_mlp_impl(cfg_(**wide), torch.float32, "cuda") == "grouped"  # bf16-only on CUDA
+    assert resolve_mlp_impl(cfg_(**wide, a2a_splits="padded"), torch.bfloat16, "cuda") == "grouped"
+    assert resolve_mlp_impl(cfg_(**wide, recompute_activation=True), torch.bfloat16, "cuda") == "grouped"
+    for h, f in ((1024, 4096), (2048, 1024), (4096, 4092)):  # narrow, or not a multiple of 8
+        assert resolve_mlp_impl(cfg_(mlp_impl="auto", hidden_size=h, ffn_hidden_size=f),
+                                torch.bfloat16, "cuda") == "grouped", (h, f)
+    for impl in ("blocksparse", "grouped", "grouped_mm", "capacity", "reference"):
+        assert resolve_mlp_impl(cfg_(**dict(wide, mlp_impl=impl)), torch.bfloat16, "cuda") == impl
+
+
+@pytest.mark.parametrize("threshold, expected", [(32, "grouped_mm"), (4096, "grouped")])
+def test_auto_impl_runs_the_resolved_path(monkeypatch, threshold, expected):
+    """The layer with 'auto' computes through the resolved op and still matches the loop."""
+    import megatron_moe.experts as ex
+    import megatron_moe.ops.grouped_mlp as gm
+    import megatron_moe.ops.grouped_mm_mlp as gmm
+
+    calls = []
+    for mod, name in ((gm, "grouped_mlp"), (gmm, "grouped_mm_mlp")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    monkeypatch.setattr(ex, "AUTO_GROUPED_MM_MIN_WIDTH", threshold)
+    check_against_loop(cfg_(mlp_impl="auto", top_k=2), T=19, device="cpu")
+    assert calls == [{"grouped_mm": "grouped_mm_mlp", "grouped": "grouped_mlp"}[expected]]
 
 
 # ------------------------------------------------------------------------- capacity-factor MoE

@@ -11,7 +11,7 @@ from megatron_moe.kernels import metadata as md
 
 ROUTING_TENSORS = [
     "expert_ids_N", "sort_order_N", "tokens_per_expert_E", "expert_offsets_E1",
-    "padded_offsets_E1", "padded_row_N", "padded_src_P", "row_block_expert_R",
+    "padded_offsets_E1", "padded_row_N", "padded_src_P", "row_block_expert_R", "sorted_row_N",
 ]
 TOPOLOGY_TENSORS = ["row_indices_Z", "column_indices_Z", "offsets_t_C1", "block_offsets_t_Z"]
 # tiny tiles: many chunks per call, several expert tiles, several scan steps
@@ -189,6 +189,7 @@ def test_reference_properties(case):
     assert r.expert_offsets_E1.tolist() == [sum(counts[:e]) for e in range(E + 1)]
     assert r.padded_offsets_E1.tolist() == padded
     assert r.sorted_token_N.tolist() == [a // K for a in order]
+    assert [r.sorted_row_N.tolist()[a] for a in order] == list(range(N))  # the inverse of the order
 
     # padded rows of an expert lie inside its padded bin, before its padding
     assert r.padded_row_N.tolist() == padded_row

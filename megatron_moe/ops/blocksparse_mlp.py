@@ -4,12 +4,12 @@ Legend: T tokens, K top_k, H hidden, F ffn, E experts, P_max padded rows, Z bloc
   w1 [E, H, F] (swiglu: [E, H, 2F], gate half first), w2 [E, F, H], weights_TK fp32 [T, K].
 
 Forward                                         Backward (dy_TH)
-  x_P   = padded_gather(x)         [P_max, H]     dy_P = padded_gather(dy, weights)    [P_max, H]
+  x_P   = gather_rows(x)         [P_max, H]     dy_P = gather_rows(dy, weights)    [P_max, H]
   a, h  = sdd(x_P, w1, act)        [Z, B, B]      dweights = sum_h dy[t] * y_P[row]    (fp32)
   y_P   = dsd(a, w2)               [P_max, H]     dw2  = tsd(a, dy_P)      aᵀ dy_P     [E, F, H]
-  y     = padded_scatter(y_P, weights) [T, H]     dh   = sdd_activation_grad(dy_P, w2ᵀ, h)
+  y     = scatter_rows(y_P, weights) [T, H]     dh   = sdd_activation_grad(dy_P, w2ᵀ, h)
                                                        = (dy_P @ w2ᵀ on the topology) * act'(h)
-                                                  dx   = padded_scatter(dsd(dh, w1ᵀ))  [T, H]
+                                                  dx   = scatter_rows(dsd(dh, w1ᵀ))  [T, H]
                                                   dw1  = dds(x_P, dh)      x_Pᵀ dh     [E, H, F]
 
 The hidden matrix lives on ``block_topology(routing, F)``; for SwiGLU the gate and the up
@@ -24,17 +24,17 @@ import torch
 
 from megatron_moe.kernels.blocksparse import dds, dsd, sdd, sdd_activation_grad, tsd
 from megatron_moe.kernels.metadata import Routing, block_topology
-from megatron_moe.kernels.permute import padded_gather, padded_scatter, padded_scatter_weight_grad
+from megatron_moe.kernels.permute import gather_rows, scatter_rows, scatter_rows_weight_grad
 
 
 class BlockSparseMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, routing: Routing, activation: str):
         topology = block_topology(routing, w2_EFH.shape[1])
-        x_PH = padded_gather(x_TH, routing)
+        x_PH = gather_rows(x_TH, routing)
         a_ZBB, h = sdd(x_PH, w1_EHF, topology, activation=activation)
         y_PH = dsd(a_ZBB, w2_EFH, topology)
-        y_TH = padded_scatter(y_PH, weights_TK, routing)
+        y_TH = scatter_rows(y_PH, weights_TK, routing)
         ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, weights_TK, h, a_ZBB, y_PH)
         ctx.routing, ctx.topology, ctx.activation = routing, topology, activation
         return y_TH
@@ -48,16 +48,16 @@ class BlockSparseMLP(torch.autograd.Function):
         dx = dw1 = dw2 = dweights = None
 
         if need_weights:
-            dweights = padded_scatter_weight_grad(dy_TH, y_PH, routing).to(weights_TK.dtype)
-        dy_PH = padded_gather(dy_TH, routing, weights_TK)
+            dweights = scatter_rows_weight_grad(dy_TH, y_PH, routing).to(weights_TK.dtype)
+        dy_PH = gather_rows(dy_TH, routing, weights_TK)
         if need_w2:
             dw2 = tsd(a_ZBB, dy_PH, topology)
         if need_x or need_w1:
             dh = sdd_activation_grad(dy_PH, w2_EFH.transpose(1, 2), topology, h, ctx.activation)
             if need_x:
-                dx = padded_scatter(dsd(dh, w1_EHF.transpose(1, 2), topology), None, routing)
+                dx = scatter_rows(dsd(dh, w1_EHF.transpose(1, 2), topology), None, routing)
             if need_w1:
-                dw1 = dds(padded_gather(x_TH, routing), dh, topology)
+                dw1 = dds(gather_rows(x_TH, routing), dh, topology)
         return dx, dw1, dw2, dweights, None, None
 
 

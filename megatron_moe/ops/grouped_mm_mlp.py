@@ -6,24 +6,28 @@ For large experts (thousands of rows each, e.g. 8 experts of ffn 14336) the vend
 GEMM beats our Triton kernels (benchmarks/NOTES.md); for small and fine-grained experts the
 fused Triton path ('grouped') wins. Same math, same weights, same routing metadata (counting
 sort on the GPU, no host synchronisation, unlike a sort + bincount), a deterministic backward
-(rows return to assignment order with index_copy and are summed over k; no atomics).
+(each token sums its own k rows in a fixed order; no atomics).
 
-Forward (s sorted position, t(s) its token, a(s) its assignment):
-  x_NH = x[t(s)];  h = x_NH @ w1[e];  o = act(h) @ w2[e];  y[a(s)] = weight(s) * o;  sum over k
-Backward (saves x, w1, w2, h, o; act(h) and x_NH are recomputed, not stored; dh overwrites h; o and
-h/dh are freed at their last use):
-  dy_NH = dy[t(s)];  d weight(s) = dy_NH · o;  do = weight(s) * dy_NH;  dact = do @ w2[e]ᵀ
-  dh = dact * act'(h);  dw2[e] = act(h)ᵀ do;  dw1[e] = x_NHᵀ dh;  dx[t] = Σ_k (dh @ w1[e]ᵀ)
+Forward (s sorted position, t(s) its token, a(s) its assignment, row(a) its sorted position):
+  x_NH = x[t(s)];  h = x_NH @ w1[e];  o = act(h) @ w2[e];  y[t] = Σ_k weight(t, k) o[row(t, k)]
+Backward (saves x, w1, w2, h, o; x_NH is gathered again, act(h) recomputed, not stored):
+  d weight(t, k) = dy[t] · o[row(t, k)];  do = weight(s) * dy[t(s)];  dact = do @ w2[e]ᵀ
+  (dh, act(h)) in one pass over (h, dact), written over them;  dw2[e] = act(h)ᵀ do
+  dw1[e] = x_NHᵀ dh;  dx[t] = Σ_k (dh @ w1[e]ᵀ)[row(t, k)]
+Everything between the GEMMs is one pass each (kernels/permute.py: gather with the router weight,
+the weighted sum over k, its weight gradient; kernels/activation.py), fp32 math, one rounding.
+At most two [N, F] tensors live at a time (h and dact / act); o and h/dh are freed at their last use.
 
 Legend: T tokens, K top_k, N = T*K assignments, H hidden, F ffn (2F for swiglu's w1), E experts.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron_moe.experts import activate
+from megatron_moe.kernels.activation import activation_backward_
 from megatron_moe.kernels.metadata import Routing
+from megatron_moe.kernels.permute import gather_rows, scatter_rows, scatter_rows_weight_grad
 from megatron_moe.ops.grouped_mlp import release
 
 
@@ -31,36 +35,17 @@ def _gmm(a, b, offs):
     return torch._grouped_mm(a, b, offs=offs)
 
 
-def _dact_into_h(dact, h, activation):
-    """dL/dh from dL/d act, written over h (its last use: one [N, F] tensor fewer at the peak)."""
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward.grad_input(dact, h, approximate="tanh", grad_input=h)
-    gate, up = h.chunk(2, dim=1)
-    sig = torch.sigmoid(gate.float())
-    d_up = dact * F.silu(gate)
-    gate.copy_(dact.float() * up.float() * sig * (1 + gate.float() * (1 - sig)))
-    up.copy_(d_up)
-    return h
-
-
-def _to_assignment_order(rows_NH, order_N, T, K):
-    """Rows in sorted order -> assignment order (a permutation: index_copy, deterministic) -> sum over k."""
-    out_NH = torch.empty_like(rows_NH).index_copy_(0, order_N, rows_NH)
-    return out_NH if K == 1 else out_NH.view(T, K, -1).sum(1)
-
-
 class GroupedMMMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, order_N, token_N, offs_E, top_k, activation):
-        T = x_TH.shape[0]
+    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, routing, activation):
+        token_N = routing.sorted_token_N.long()
+        offs_E = routing.expert_offsets_E1[1:]
         h_NF = _gmm(x_TH[token_N], w1_EHF, offs_E)
         o_NH = _gmm(activate(h_NF, activation), w2_EFH, offs_E)
-        weight_N = weights_TK.reshape(-1)[order_N].float()
-        y_NH = o_NH * weight_N[:, None].to(o_NH.dtype)
-        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, h_NF, o_NH, weight_N, order_N, token_N, offs_E)
-        ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
+        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, weights_TK, h_NF, o_NH)
+        ctx.routing, ctx.token_N, ctx.offs_E, ctx.activation = routing, token_N, offs_E, activation
         ctx.h_consumed = False
-        return _to_assignment_order(y_NH, order_N, T, top_k)
+        return scatter_rows(o_NH, weights_TK, routing, layout="sorted")
 
     @staticmethod
     def backward(ctx, dy_TH):
@@ -68,31 +53,29 @@ class GroupedMMMLP(torch.autograd.Function):
             raise RuntimeError("grouped_mm_mlp: a second backward through the same forward is not supported "
                                "(the first one overwrote the saved pre-activation to save memory); "
                                "run the forward again, or use mlp_impl='blocksparse'")
-        x_TH, w1_EHF, w2_EFH, h_NF, o_NH, weight_N, order_N, token_N, offs_E = ctx.saved_tensors
+        x_TH, w1_EHF, w2_EFH, weights_TK, h_NF, o_NH = ctx.saved_tensors
         need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
-        T, K = x_TH.shape[0], ctx.top_k
+        routing, token_N, offs_E = ctx.routing, ctx.token_N, ctx.offs_E
         dx = dw1 = dw2 = dweights = None
         ctx.h_consumed = True  # h is overwritten and o freed below
-        dy_NH = dy_TH.to(x_TH.dtype)[token_N]
+        dy_TH = dy_TH.to(x_TH.dtype)
         if need_weights:
-            dweight_N = torch.sum(dy_NH * o_NH, dim=1, dtype=torch.float32)
-            dweights = torch.empty_like(dweight_N).index_copy_(0, order_N, dweight_N).view(T, K)
-            dweights = dweights.to(ctx.weights_dtype)
+            dweights = scatter_rows_weight_grad(dy_TH, o_NH, routing, layout="sorted").to(weights_TK.dtype)
         release(o_NH)  # its last use
-        do_NH = dy_NH * weight_N[:, None].to(dy_NH.dtype)
-        del dy_NH
-        # dw2 first, then dh over h: at most two [N, F] tensors (h and one more) live at a time
+        do_NH = gather_rows(dy_TH, routing, weights_TK, layout="sorted")
+        # dact, then (dh over h, act over dact) in one pass: two [N, F] tensors live at a time
+        act_NF = activation_backward_(h_NF, _gmm(do_NH, w2_EFH.transpose(1, 2), offs_E), ctx.activation)
+        dh_NF = h_NF
         if need_w2:
-            dw2 = _gmm(activate(h_NF, ctx.activation).t(), do_NH, offs_E)
-        dh_NF = _dact_into_h(_gmm(do_NH, w2_EFH.transpose(1, 2), offs_E), h_NF, ctx.activation)
-        del do_NH, h_NF
+            dw2 = _gmm(act_NF.t(), do_NH, offs_E)
+        del act_NF, do_NH, h_NF
         if need_w1:
             dw1 = _gmm(x_TH[token_N].t(), dh_NF, offs_E)
         if need_x:
             dx_NH = _gmm(dh_NF, w1_EHF.transpose(1, 2), offs_E)
             release(dh_NF)  # h's memory
-            dx = _to_assignment_order(dx_NH, order_N, T, K)
-        return dx, dw1, dw2, dweights, None, None, None, None, None
+            dx = scatter_rows(dx_NH, None, routing, layout="sorted")
+        return dx, dw1, dw2, dweights, None, None
 
 
 def grouped_mm_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
@@ -115,6 +98,4 @@ def grouped_mm_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tenso
         raise ValueError(f"grouped_mm_mlp: x {tuple(x_TH.shape)}, weights {tuple(weights_TK.shape)} and "
                          f"w1 {tuple(w1_EHF.shape)} do not match the routing (T={T}, K={K}, "
                          f"E={routing.num_experts})")
-    offs_E = routing.expert_offsets_E1[1:].to(torch.int32)
-    return GroupedMMMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N.long(),
-                              routing.sorted_token_N.long(), offs_E, K, activation)
+    return GroupedMMMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing, activation)
