@@ -136,4 +136,3 @@ def validate_moe_config(cfg: MoEConfig) -> None:
         isinstance(cfg.output_init_std, (int, float)) and cfg.output_init_std > 0
     ):
         _fail("output_init_std", cfg.output_init_std, "expected a number > 0 or null")
-

@@ -19,12 +19,15 @@ from .config import AUTO_GROUPED_MM_MIN_WIDTH, MoEConfig
 def resolve_mlp_impl(cfg: MoEConfig, dtype, device_type: str) -> str:
     """The expert compute path that runs: ``cfg.mlp_impl`` itself unless it is 'auto'.
 
-    'auto' follows the layer benchmark (benchmarks/bench_layer.py, H100, 2026-11-23, README):
+    'auto' follows the layer benchmark (benchmarks/bench_layer.py, README, 2026-11-22/23):
     torch._grouped_mm ('grouped_mm') when both hidden and ffn sizes are at least
-    AUTO_GROUPED_MM_MIN_WIDTH (mixtral-ish, 4096 x 14336: 0.89 of a dense MLP against 0.64 for
-    'grouped'), our fused Triton kernels ('grouped') below it (paper-moe-m 1024 x 4096 and
-    fine-64e-top8 2048 x 1024: 'grouped' ahead). grouped_mm only where it runs and fits the
-    options: bfloat16 on CUDA, sizes multiples of 8, exact all-to-all splits, no recompute_activation.
+    AUTO_GROUPED_MM_MIN_WIDTH (mixtral-ish, 4096 x 14336: 0.89-0.90 of a dense MLP on an H100 and
+    an H200 against 0.64-0.68 for 'grouped'), our fused Triton kernels ('grouped') below it: at
+    paper-moe-m (1024 x 4096) and fine-64e-top8 (2048 x 1024) the two are within ~10% (grouped_mm
+    ahead on the H200, host-bound on one H100), and 'grouped' adds the weight gradient into the
+    fp32 master gradient in its kernel during training, which grouped_mm cannot. grouped_mm only
+    where it runs and fits the options: bfloat16 on CUDA, sizes multiples of 8, exact all-to-all
+    splits, no recompute_activation.
     """
     if cfg.mlp_impl != "auto":
         return cfg.mlp_impl
