@@ -16,8 +16,11 @@ row's assignments, and return the weighted sum per row.
 
 Host synchronisation (AllToAllDispatcher): exactly one per forward and none in the backward (it
 reuses the forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so
-the exchanged token counts are read once. The count exchange (per expert, so the receiver rebuilds
-the rows' local expert ids from it) is launched asynchronously and overlaps the local sort.
+the exchanged token counts are read once. The assignments are sorted by expert with the routing
+metadata's counting sort (which also yields the counts); the count exchange (per expert, so the
+receiver rebuilds the rows' local expert ids from it) is launched asynchronously and overlaps the
+permutation of the tokens into that order. Permutation and the weighted un-permutation are one
+fused pass each, forward and backward (ops/permute.py).
 
 Legend: T tokens, K top_k, N = T*K assignments, H hidden, P expert-parallel ranks,
 R rows received by this rank.
@@ -30,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .router import count_ids
+from .kernels.metadata import Routing, routing_metadata
+from .ops.permute import permute_tokens, unpermute_tokens
 
 
 class Dispatcher:
@@ -121,10 +125,15 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 @dataclass
 class _A2AContext:
-    order_N: torch.Tensor  # send position -> assignment index
+    routing: Routing  # the assignments sorted by global expert = by destination rank
     send_splits: list[int]
     recv_splits: list[int]
     weights_TK: torch.Tensor
+
+
+# Block size of the dispatcher's routing metadata: only its sorted layout is used, so any block
+# size serves; the padded arrays it also fills are small (N + E*(B-1) int32).
+_SORT_BLOCK = 128
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -137,49 +146,42 @@ class AllToAllDispatcher(Dispatcher):
                              f"{self.num_ranks}: choose expert_parallel_size dividing num_experts")
         self.num_local_experts = num_experts // self.num_ranks
 
-    def _exchange_counts(self, ids_N):
-        """Starts the count exchange and, while it runs, sorts the assignments by expert (hence by
-        destination rank). Counts are per global expert: chunk p of [E] goes to rank p, which gets
-        [P, El] back (rows per source rank and local expert), enough to rebuild the received rows'
-        local expert ids without exchanging them. Returns (send_counts_E, recv_counts_PEl, work,
-        order_N); ``work.wait()`` before reading recv_counts_PEl."""
-        send_counts_E = count_ids(ids_N, self.num_ranks * self.num_local_experts)
+    def _exchange_counts(self, expert_ids_TK):
+        """Sorts the assignments by expert (hence by destination rank; the routing metadata's
+        counting sort, no host sync) and starts the count exchange, which runs while the caller
+        permutes the tokens. Counts are per global expert: chunk p of [E] goes to rank p, which
+        gets [P, El] back (rows per source rank and local expert), enough to rebuild the received
+        rows' local expert ids without exchanging them. Returns (routing, send_counts_E,
+        recv_counts_PEl, work); ``work.wait()`` before reading recv_counts_PEl."""
+        routing = routing_metadata(expert_ids_TK, self.num_ranks * self.num_local_experts, _SORT_BLOCK)
+        send_counts_E = routing.tokens_per_expert_E.long()
         recv_counts_PEl = torch.empty_like(send_counts_E)
         work = dist.all_to_all_single(recv_counts_PEl, send_counts_E, group=self.group, async_op=True)
-        return send_counts_E, recv_counts_PEl, work, torch.argsort(ids_N, stable=True)
+        return routing, send_counts_E, recv_counts_PEl, work
 
     def dispatch(self, x_TH, expert_ids_TK, weights_TK):
-        K = expert_ids_TK.shape[1]
         P, El = self.num_ranks, self.num_local_experts
-        ids_N = expert_ids_TK.reshape(-1)
-        send_counts_E, recv_counts_PEl, work, order_N = self._exchange_counts(ids_N)
-        x_send = x_TH[torch.div(order_N, K, rounding_mode="floor")]
+        routing, send_counts_E, recv_counts_PEl, work = self._exchange_counts(expert_ids_TK)
+        x_send = permute_tokens(x_TH, routing)
         work.wait()
         send_recv_P = torch.stack([send_counts_E.view(P, El).sum(1), recv_counts_PEl.view(P, El).sum(1)])
         send_splits, recv_splits = send_recv_P.tolist()  # the host sync
         x_recv = all_to_all(x_send, recv_splits, send_splits, self.group)
         # rows from each source rank arrive sorted by local expert: ids from the counts, no sync
-        local_ids = torch.arange(El, device=ids_N.device).repeat(P)
+        local_ids = torch.arange(El, device=x_TH.device).repeat(P)
         ids_recv = torch.repeat_interleave(local_ids, recv_counts_PEl, output_size=sum(recv_splits))
         ones_R1 = torch.ones(ids_recv.shape[0], 1, device=x_TH.device, dtype=torch.float32)
-        ctx = _A2AContext(order_N, send_splits, recv_splits, weights_TK)
+        ctx = _A2AContext(routing, send_splits, recv_splits, weights_TK)
         return x_recv, ids_recv[:, None], ones_R1, ctx
 
     def combine(self, y_RH, ctx: _A2AContext):
         y_sorted = all_to_all(y_RH, ctx.send_splits, ctx.recv_splits, self.group)
-        return _unsort_and_weight(y_sorted, ctx.order_N, ctx.weights_TK)
-
-
-def _unsort_and_weight(y_sorted_NH, order_N, weights_TK):
-    """Rows in sorted-by-expert order back to assignment order, weighted and summed over k."""
-    T, K = weights_TK.shape
-    y_NH = torch.zeros_like(y_sorted_NH).index_copy(0, order_N, y_sorted_NH)
-    return (y_NH.view(T, K, -1).float() * weights_TK[..., None]).sum(1).to(y_sorted_NH.dtype)
+        return unpermute_tokens(y_sorted, ctx.weights_TK, ctx.routing)
 
 
 @dataclass
 class _PaddedContext:
-    order_N: torch.Tensor  # sorted position -> assignment index
+    routing: Routing
     slot_N: torch.Tensor  # sorted position -> row of the padded [P * C] exchange buffer
     block: int  # C rows per peer
     weights_TK: torch.Tensor
@@ -200,14 +202,13 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         P, El = self.num_ranks, self.num_local_experts
         N = C = T * K
         dev = x_TH.device
-        ids_N = expert_ids_TK.reshape(-1)
-        send_counts_E, recv_counts_PEl, work, order_N = self._exchange_counts(ids_N)
-        dest_N = torch.div(ids_N[order_N], El, rounding_mode="floor")  # sorted, so grouped by rank
+        routing, send_counts_E, recv_counts_PEl, work = self._exchange_counts(expert_ids_TK)
+        ids_N = routing.expert_ids_N[routing.sort_order_N.long()]
+        dest_N = torch.div(ids_N, El, rounding_mode="floor").long()  # sorted, so grouped by rank
         send_P = send_counts_E.view(P, El).sum(1)
         first_P = torch.cumsum(send_P, 0) - send_P
         slot_N = dest_N * C + torch.arange(N, device=dev) - first_P[dest_N]
-        x_send = x_TH.new_zeros(P * C, x_TH.shape[1]).index_copy(
-            0, slot_N, x_TH[torch.div(order_N, K, rounding_mode="floor")])
+        x_send = x_TH.new_zeros(P * C, x_TH.shape[1]).index_copy(0, slot_N, permute_tokens(x_TH, routing))
         work.wait()  # a stream dependency on the GPU, not a host wait
         x_recv = all_to_all(x_send, [C] * P, [C] * P, self.group)
         # row j of peer p's block: the local expert whose cumulative count first exceeds j
@@ -215,8 +216,8 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         j_PC = torch.arange(C, device=dev).expand(P, C).contiguous()
         ids_R = torch.searchsorted(cum_PEl, j_PC, right=True).reshape(-1)  # El = padding
         ones_R1 = torch.ones(P * C, 1, device=dev, dtype=torch.float32)
-        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(order_N, slot_N, C, weights_TK)
+        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(routing, slot_N, C, weights_TK)
 
     def combine(self, y_RH, ctx: _PaddedContext):
         y_back = all_to_all(y_RH, [ctx.block] * self.num_ranks, [ctx.block] * self.num_ranks, self.group)
-        return _unsort_and_weight(y_back[ctx.slot_N], ctx.order_N, ctx.weights_TK)
+        return unpermute_tokens(y_back[ctx.slot_N], ctx.weights_TK, ctx.routing)
