@@ -9,8 +9,10 @@
 Three views (the layer benchmark's configs and providers):
   1. profile: one step's kernels from torch.profiler (GPU time per kernel name, summed), the GPU
      busy time per step against the wall time per step (wall >> busy: the host is the limit);
-  2. gemms: the six grouped GEMMs of the grouped MLP timed one by one (autotuned), with
-     torch._grouped_mm and one dense torch.mm of the same FLOPs beside them;
+  2. gemms: the six grouped GEMMs of the grouped MLP timed one by one (autotuned), the weight
+     gradients also accumulating into fp32 (training's gradient-accumulation fusion), two
+     ablations of the backward GEMM; beside them the same six on torch._grouped_mm (CUTLASS)
+     over pre-sorted rows, the gather and the fp32 add_ that path needs, one dense torch.mm;
   3. sweep: each grouped GEMM with every tile config of an extended list, one at a time.
 """
 from __future__ import annotations
@@ -106,7 +108,7 @@ def gemm_problems(shape, device):
     g1 = torch.zeros(E, H, F, device=device)
     g2 = torch.zeros(E, F, H, device=device)
     return dict(T=T, H=H, F=F, E=E, K=K, S=S, off=off, tok=tok, order=order, x=x, dy=dy, w1=w1, w2=w2,
-                act=act, pre=pre, scale=scale, g1=g1, g2=g2)
+                act=act, pre=pre, scale=scale, g1=g1, g2=g2, dys=dy[tok.long()].contiguous())
 
 
 def gemm_calls(p):
@@ -128,6 +130,11 @@ def gemm_calls(p):
                                                               out=p["g1"], accumulate=True),
         "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
                                                        scatter_S=p["order"]),
+        # ablations of the bwd GEMM: without its gather, without its epilogue
+        "abl bwd dys@w2T +dgelu": lambda: G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"],
+                                                                p["pre"], "gelu", scale_S=p["scale"]),
+        "abl bwd dy[t]@w2T plain": lambda: G.grouped_gemm(p["dy"], p["w2"].transpose(1, 2), p["off"],
+                                                          gather_S=p["tok"]),
     }
 
 
@@ -146,10 +153,29 @@ def gemm_rows(shape, device):
         rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9,
                          config=None if best is None else dict(best.kwargs, warps=best.num_warps,
                                                                stages=best.num_stages)))
-    a = p["x"][p["tok"].long()].contiguous()
+    # the same six products on torch._grouped_mm (CUTLASS on Hopper) over pre-sorted rows, the
+    # gathers they need timed on their own, and the fp32 accumulation a bf16 weight gradient needs
+    tok = p["tok"].long()
+    xs, dys = p["x"][tok].contiguous(), p["dys"]
     offs = p["off"][1:].contiguous()
-    ms = _bench(lambda: torch._grouped_mm(a, p["w1"], offs=offs))
-    rows.append(dict(gemm="torch._grouped_mm x@w1 (pre-sorted)", ms=ms, tflops=flops / ms / 1e9))
+    gmm = torch._grouped_mm
+    dw2 = gmm(p["act"].t(), dys, offs=offs)
+    vendor = {
+        "tgm fwd1 xs@w1": lambda: gmm(xs, p["w1"], offs=offs),
+        "tgm fwd2 act@w2": lambda: gmm(p["act"], p["w2"], offs=offs),
+        "tgm bwd dys@w2T": lambda: gmm(dys, p["w2"].transpose(1, 2), offs=offs),
+        "tgm wgrad dw2 actT@dys": lambda: gmm(p["act"].t(), dys, offs=offs),
+        "tgm wgrad dw1 xsT@dpre": lambda: gmm(xs.t(), p["pre"], offs=offs),
+        "tgm dx dpre@w1T": lambda: gmm(p["pre"], p["w1"].transpose(1, 2), offs=offs),
+        "tgm wgrad dw2 + fp32 add_": lambda: p["g2"].add_(gmm(p["act"].t(), dys, offs=offs)),
+    }
+    for name, fn in vendor.items():
+        ms = _bench(fn)
+        rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9))
+    for name, fn in {"gather x[t] (torch index)": lambda: p["x"][tok],
+                     "fp32 add_ of a bf16 dw2": lambda: p["g2"].add_(dw2)}.items():
+        ms = _bench(fn)
+        rows.append(dict(gemm=name, ms=ms, tflops=0.0))
     ad = torch.randn(p["S"], p["H"], device=device, dtype=torch.bfloat16)
     wd = torch.randn(p["H"], p["F"], device=device, dtype=torch.bfloat16)
     ms = _bench(lambda: ad @ wd)
@@ -175,6 +201,15 @@ SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
 ]
 
 
+def _sweep_space(kern_is_wgrad, name):
+    """(meta-parameters, warps, stages) of every config the sweep tries on GEMM ``name``."""
+    if kern_is_wgrad:
+        return [(dict(BLOCK_K=k, BLOCK_N=n, BLOCK_S=s_), w, st) for k, n, s_, w, st in SWEEP_WGRAD]
+    return [(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, PREFETCH=pf, PERSISTENT=ps), w, st)
+            for m, n, k, w, st, pf, ps in SWEEP_GEMM
+            if not pf or name.startswith("bwd")]  # PREFETCH only changes the backward epilogues
+
+
 def sweep(p, device, only=None):
     import triton
 
@@ -183,9 +218,7 @@ def sweep(p, device, only=None):
     flops = 2 * p["S"] * p["H"] * p["F"]
     calls = gemm_calls(p)
     out = []
-    gemm_names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PREFETCH", "PERSISTENT")
-    for kern, space, names in ((G._grouped_gemm_kernel, SWEEP_GEMM, gemm_names),
-                               (G._grouped_wgrad_kernel, SWEEP_WGRAD, ("BLOCK_K", "BLOCK_N", "BLOCK_S"))):
+    for kern in (G._grouped_gemm_kernel, G._grouped_wgrad_kernel):
         saved = kern.configs
         for name, fn in calls.items():
             if (kern is G._grouped_wgrad_kernel) != name.startswith("wgrad"):
@@ -194,11 +227,9 @@ def sweep(p, device, only=None):
                 continue
             best = None
             want = None
-            for cfg in space:
-                if cfg[5:] and cfg[5] and not name.startswith("bwd"):
-                    continue  # PREFETCH only changes the backward epilogues
-                meta = dict(zip(names, cfg[:3] + cfg[5:]))
-                kern.configs = [triton.Config(meta, num_warps=cfg[3], num_stages=cfg[4])]
+            for meta, warps, stages in _sweep_space(kern is G._grouped_wgrad_kernel, name):
+                cfg = (meta, warps, stages)
+                kern.configs = [triton.Config(meta, num_warps=warps, num_stages=stages)]
                 G.clear_tuning_cache()
                 if "+=" in name:  # accumulating calls: compare one addition into zeros
                     p["g2" if "dw2" in name else "g1"].zero_()
