@@ -207,7 +207,7 @@ def _sweep_space(kern_is_wgrad, name):
         return [(dict(BLOCK_K=k, BLOCK_N=n, BLOCK_S=s_), w, st) for k, n, s_, w, st in SWEEP_WGRAD]
     return [(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, PREFETCH=pf, PERSISTENT=ps), w, st)
             for m, n, k, w, st, pf, ps in SWEEP_GEMM
-            if not pf or name.startswith("bwd")]  # PREFETCH only changes the backward epilogues
+            if not pf or "bwd" in name]  # PREFETCH only changes the backward epilogues
 
 
 def sweep(p, device, only=None):
