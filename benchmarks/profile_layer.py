@@ -5,12 +5,15 @@
     python benchmarks/profile_layer.py --providers grouped_mm --no-gemms  # only the step profile
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
     python benchmarks/profile_layer.py --cprofile --providers grouped   # host Python time per function
+    python benchmarks/profile_layer.py --configs dmoe-small --no-profile --no-sweep --skew 0.9 \
+        --gemms-only "wgrad dw2 actT@dy[t] +=fp32"     # some GEMMs only, 90% of the tokens on expert 0
 
 Three views (the layer benchmark's configs and providers):
   1. profile: one step's kernels from torch.profiler (GPU time per kernel name, summed), the GPU
      busy time per step against the wall time per step (wall >> busy: the host is the limit);
   2. gemms: the six grouped GEMMs of the grouped MLP timed one by one (autotuned), the weight
-     gradients also accumulating into fp32 (training's gradient-accumulation fusion), two
+     gradients also accumulating into fp32 (training's gradient-accumulation fusion; through
+     TMA's reduce-add, and "ldst": the kernel's own load-add-store), two
      ablations of the backward GEMM; beside them the same six on torch._grouped_mm (CUTLASS)
      over pre-sorted rows, the gather and the fp32 add_ that path needs, one dense torch.mm;
   3. sweep: each grouped GEMM with every tile config of an extended list, one at a time.
@@ -83,13 +86,16 @@ def profile_provider(provider, shape, device, steps=5):
                 top=[(name[:90], round(ms, 4), counts[name] // steps) for name, ms in top])
 
 
-def gemm_problems(shape, device):
-    """The six grouped GEMMs of the gelu grouped MLP with a router-like random routing."""
+def gemm_problems(shape, device, skew=0.0):
+    """The six grouped GEMMs of the gelu grouped MLP with a router-like random routing; ``skew``:
+    that fraction of the tokens sends its first choice to expert 0 (a collapsed router, as early
+    in training)."""
     from megatron_moe.kernels.metadata import routing_metadata
 
     T, H, F, E, K = shape
     torch.manual_seed(0)
     logits = torch.randn(T, E, device=device)
+    logits[: int(skew * T), 0] = 1e4
     ids_TK = torch.topk(logits, K, dim=-1).indices
     r = routing_metadata(ids_TK, E, 128)
     off = r.expert_offsets_E1
@@ -111,6 +117,21 @@ def gemm_problems(shape, device):
                 act=act, pre=pre, scale=scale, g1=g1, g2=g2, dys=dy[tok.long()].contiguous())
 
 
+def _no_tma(fn):
+    """fn with MEGATRON_MOE_TMA_ADD=0: accumulating weight gradients load, add and store in the kernel."""
+    def run():
+        before = os.environ.get("MEGATRON_MOE_TMA_ADD")
+        os.environ["MEGATRON_MOE_TMA_ADD"] = "0"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["MEGATRON_MOE_TMA_ADD"]
+            else:
+                os.environ["MEGATRON_MOE_TMA_ADD"] = before
+    return run
+
+
 def gemm_calls(p):
     from megatron_moe.kernels import grouped as G
 
@@ -128,6 +149,11 @@ def gemm_calls(p):
                                                               out=p["g2"], accumulate=True),
         "wgrad dw1 x[t]T@dpre +=fp32": lambda: G.grouped_wgrad(p["x"], p["pre"], p["off"], gather_a_S=p["tok"],
                                                               out=p["g1"], accumulate=True),
+        # the same two with the fp32 read-add-write in the kernel's registers instead of TMA's reduce-add
+        "wgrad dw2 actT@dy[t] +=fp32 ldst": _no_tma(lambda: G.grouped_wgrad(
+            p["act"], p["dy"], p["off"], gather_b_S=p["tok"], out=p["g2"], accumulate=True)),
+        "wgrad dw1 x[t]T@dpre +=fp32 ldst": _no_tma(lambda: G.grouped_wgrad(
+            p["x"], p["pre"], p["off"], gather_a_S=p["tok"], out=p["g1"], accumulate=True)),
         "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
                                                        scatter_S=p["order"]),
         # ablations of the bwd GEMM: without its gather, without its epilogue
@@ -138,13 +164,17 @@ def gemm_calls(p):
     }
 
 
-def gemm_rows(shape, device):
-    p = gemm_problems(shape, device)
+def gemm_rows(shape, device, skew=0.0, only=None):
+    """Each GEMM of gemm_calls (those whose name starts with one of ``only``, if given), then the
+    CUTLASS and dense comparisons (not with ``only``)."""
+    p = gemm_problems(shape, device, skew)
     flops = 2 * p["S"] * p["H"] * p["F"]
     from megatron_moe.kernels import grouped as G
 
     rows = []
     for name, fn in gemm_calls(p).items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         G.clear_tuning_cache()  # tune here, so best_config is this GEMM's
         fn()
         kern = G._grouped_wgrad_kernel if name.startswith("wgrad") else G._grouped_gemm_kernel
@@ -153,6 +183,8 @@ def gemm_rows(shape, device):
         rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9,
                          config=None if best is None else dict(best.kwargs, warps=best.num_warps,
                                                                stages=best.num_stages)))
+    if only:
+        return rows, p
     # the same six products on torch._grouped_mm (CUTLASS on Hopper) over pre-sorted rows, the
     # gathers they need timed on their own, and the fp32 accumulation a bf16 weight gradient needs
     tok = p["tok"].long()
@@ -229,7 +261,8 @@ def sweep(p, device, only=None):
             want = None
             for meta, warps, stages in _sweep_space(kern is G._grouped_wgrad_kernel, name):
                 cfg = (meta, warps, stages)
-                kern.configs = [triton.Config(meta, num_warps=warps, num_stages=stages)]
+                kern.configs = [triton.Config(meta, num_warps=warps, num_stages=stages,  # wgrad: sizes its TMA box
+                                              pre_hook=G._size_out_desc if kern is G._grouped_wgrad_kernel else None)]
                 G.clear_tuning_cache()
                 if "+=" in name:  # accumulating calls: compare one addition into zeros
                     p["g2" if "dw2" in name else "g1"].zero_()
@@ -336,6 +369,9 @@ def main(argv=None):
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-gemms", action="store_true", help="only the per-kernel profile of the providers' steps")
     ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx)")
+    ap.add_argument("--gemms-only", default="", help="comma-separated GEMM name prefixes: time only these")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="fraction of the tokens routed to expert 0 in the GEMM problems (0: random routing)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--launch", action="store_true", help="host time per kernel launch, then exit")
     ap.add_argument("--cprofile", action="store_true",
@@ -369,7 +405,7 @@ def main(argv=None):
                         print(f"      {ms:8.3f} ms  x{n:<3} {name}")
         if args.no_gemms:
             continue
-        rows, p = gemm_rows(shape, device)
+        rows, p = gemm_rows(shape, device, args.skew, [o for o in args.gemms_only.split(",") if o])
         res["gemms"] = rows
         for r in rows:
             cfg = r.get("config") or {}

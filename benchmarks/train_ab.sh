@@ -7,7 +7,8 @@
 #
 # RUNS: "name:config[:overrides]" (overrides comma-separated), run one after another on GPU 0.
 # STEPS (default 8), MB (micro-batch, default 64), GB (global batch, default MB), PROFILE_STEP
-# (default 6; "mb=N" in a run's overrides sets its own micro-batch);
+# (default 6; "mb=N" in a run's overrides sets its own micro-batch; an upper-case NAME=VALUE there
+# is an environment variable of that run, e.g. MEGATRON_MOE_TMA_ADD=0);
 # medians over the steps after MEASURE_FROM (default 3). Everything lands in $OUT/train_ab.tgz
 # (logs, metrics.jsonl, profile tables) and $OUT/train_ab.txt (the table).
 set -uo pipefail
@@ -19,7 +20,12 @@ write_env "$W/env.txt"
 for spec in ${RUNS:?RUNS is empty}; do
   IFS=: read -r name cfg own <<< "$spec"
   split_overrides "$own" "$MB"
-  MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.train \
+  envs=(); cfg_over=()
+  for o in "${extra[@]}"; do
+    if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o"); else cfg_over+=("$o"); fi
+  done
+  extra=("${cfg_over[@]}")
+  env "${envs[@]}" MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.train \
     --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
     train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \
     train.lr_warmup_iters=2 train.eval_interval=0 train.save_interval=0 train.save_final=false \

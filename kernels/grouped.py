@@ -12,6 +12,8 @@ S, or less when the rows past it are padding: nothing is computed or written for
   weight, recomputing act). See :func:`grouped_gemm_dact`.
 * :func:`grouped_wgrad`: dw[e] = Σ_{s in e} A(s)ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0), with
   A(s) = a[ga(s)] or the activation recomputed from a saved pre-activation (its prologue).
+  Accumulating into an fp32 gradient (out += dw), on sm_90+ the addition is the tensor-memory
+  unit's reduce-add of the tile (``tma_add_ok``), so the fp32 tile never enters registers.
 
 The row-grouped kernel launches either one program per tile over an upper bound of M tiles
 (``max_row_blocks``, about cdiv(S, BLOCK_M) + E) times the N tiles, programs past the last tile
@@ -36,6 +38,12 @@ import torch
 import torch.nn.functional as F_
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors and their reduce-add (Triton 3.4+); without them: load-add-store
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    _HAS_TMA_ADD = hasattr(tl.core.tensor_descriptor_base, "atomic_add")
+except (ImportError, AttributeError):
+    TensorDescriptor, _HAS_TMA_ADD = None, False
 
 from ._common import cdiv, interpret_mode, use_triton
 from .metadata import max_row_blocks
@@ -113,8 +121,20 @@ def _wgrad_configs() -> list[triton.Config]:
         (64, 128, 64, 4, 3),
         (128, 64, 64, 4, 3),
     ]
-    return [triton.Config({"BLOCK_K": k, "BLOCK_N": n, "BLOCK_S": s}, num_warps=w, num_stages=st)
-            for k, n, s, w, st in (shapes[:1] if _single_config() else shapes)]
+    return [_wgrad_config(k, n, s, w, st) for k, n, s, w, st in (shapes[:1] if _single_config() else shapes)]
+
+
+def _wgrad_config(block_k, block_n, block_s, warps, stages) -> triton.Config:
+    """A weight-gradient config; its pre-hook gives the TMA output descriptor (if any) the tile."""
+    return triton.Config({"BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_S": block_s}, num_warps=warps,
+                         num_stages=stages, pre_hook=_size_out_desc)
+
+
+def _size_out_desc(nargs) -> None:
+    """Config pre-hook: the accumulating TMA path's descriptor moves one [1, BLOCK_K, BLOCK_N] box."""
+    desc = nargs.get("out_desc")
+    if desc is not None:
+        desc.block_shape = [1, nargs["BLOCK_K"], nargs["BLOCK_N"]]
 
 
 def _prune_gemm_configs(configs, named_args, **kwargs):
@@ -395,13 +415,15 @@ def _grouped_gemm_kernel(
 
 # restore_value: benchmarking a config runs the kernel several times, which must not add into an
 # ACCUMULATE output more than once
-@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A", "ACCUMULATE"], restore_value=["out_ptr"])
+@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A", "ACCUMULATE", "TMA_ADD"],
+                 restore_value=["out_ptr"])
 @triton.jit
 def _grouped_wgrad_kernel(
     # pointers
     a_ptr,  # [Ma, K] any strides, read through gather_a_ptr (ACT_A 'swiglu': [S, 2K] = [gate | up])
     b_ptr,  # [Mb, N] any strides, read through gather_b_ptr
     out_ptr,  # [E, K, N] any strides (ACCUMULATE: read, added to, written back)
+    out_desc,  # TMA_ADD: host tensor descriptor of out (fp32 [E, K, N], rows contiguous); else None
     scale_ptr,  # fp32 [S]: multiplies b's rows
     a_scale_ptr,  # fp32 [S]: multiplies the recomputed activation (ACT_A only)
     gather_a_ptr, gather_b_ptr,  # int [S]
@@ -417,6 +439,7 @@ def _grouped_wgrad_kernel(
     ACT_A: tl.constexpr,  # "none", or "gelu" / "swiglu": A = a_scale · act(a), a the pre-activation
     HAS_A_SCALE: tl.constexpr, FAST_MATH: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out += dw (fp32 out: gradient accumulation over micro-batches)
+    TMA_ADD: tl.constexpr,  # ACCUMULATE through the tensor-memory unit's reduce-add (sm_90+, fp32 out)
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -464,12 +487,21 @@ def _grouped_wgrad_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
 
-    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + offs_k[:, None].to(tl.int64) * stride_ok
-                + offs_n[None, :] * stride_on)
-    mask_out = mask_k[:, None] & mask_n[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=mask_out, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+    if TMA_ADD:
+        # out += acc by the tensor-memory unit (cp.reduce.async.bulk.tensor.add from shared memory,
+        # done in L2; the box is clipped at out's bounds): the fp32 tile never enters registers
+        # (168 registers per thread instead of 255 at 128 x 128 x 4 warps: 3 programs per SM, not
+        # 2), and the program only waits for the bulk copy at its exit. One add per element, the
+        # same fp32 rounding as the load-add-store path: deterministic, the same bits for one config.
+        if seg_end > seg_start:  # an empty expert adds nothing
+            out_desc.atomic_add([expert, pid_k * BLOCK_K, pid_n * BLOCK_N], acc[None, :, :])
+    else:
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + offs_k[:, None].to(tl.int64) * stride_ok
+                    + offs_n[None, :] * stride_on)
+        mask_out = mask_k[:, None] & mask_n[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=mask_out, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,6 +582,8 @@ def _launch(kernel, grid, args, meta, tune_key):
         if getattr(kernel, "best_config", None) is not None:
             _TUNED[key] = kernel.best_config
     else:
+        if cfg.pre_hook is not None:  # as the autotuner does before each launch
+            cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **meta, **cfg.all_kwargs()})
         kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
 
 
@@ -657,7 +691,9 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
         return (E * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]),)
 
     dummy = offsets_E1
-    args = (a_MK, b_MN, out, scale_S if scale_S is not None else dummy,
+    tma_add = bool(accumulate) and tma_add_ok(out)
+    out_desc = TensorDescriptor.from_tensor(out, [1, 16, 16]) if tma_add else None  # box: _size_out_desc
+    args = (a_MK, b_MN, out, out_desc, scale_S if scale_S is not None else dummy,
             a_scale_S if a_scale_S is not None else dummy,
             gather_a_S if gather_a_S is not None else dummy, gather_b_S if gather_b_S is not None else dummy,
             offsets_E1,
@@ -667,9 +703,21 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
     meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
                 HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
                 FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), ACCUMULATE=bool(accumulate),
-                **_dot_args(a_MK.dtype))
+                TMA_ADD=tma_add, **_dot_args(a_MK.dtype))
     _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
+
+
+def tma_add_ok(out: torch.Tensor) -> bool:
+    """Whether an accumulating weight gradient adds into ``out`` through TMA: a CUDA device of
+    compute capability 9.0 or newer, fp32 out with contiguous rows, 16-byte aligned base and row
+    strides (the tensor-memory unit's rules), and MEGATRON_MOE_TMA_ADD not "0" (A/B switch).
+    Otherwise the kernel loads, adds and stores the fp32 tile itself."""
+    return (_HAS_TMA_ADD and out.is_cuda and not interpret_mode()
+            and os.environ.get("MEGATRON_MOE_TMA_ADD", "1") != "0"
+            and torch.cuda.get_device_capability(out.device)[0] >= 9 and out.dtype == torch.float32
+            and out.stride(2) == 1 and out.data_ptr() % 16 == 0
+            and out.stride(0) % 4 == 0 and out.stride(1) % 4 == 0)
 
 
 def _check_wgrad_out(out, accumulate, shape, device) -> None:
@@ -866,7 +914,8 @@ def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, s
     which then need not be kept for the backward. Experts without rows get exact zeros.
     Accumulates in fp32; returns ``out_dtype`` (default a's), or writes into ``out`` [E, K, N]
     and returns it; with ``accumulate`` ``out += dw`` before the one rounding to out's dtype
-    (fp32 out: gradient accumulation over micro-batches fused into the GEMM's epilogue).
+    (fp32 out: gradient accumulation over micro-batches fused into the GEMM's epilogue; on sm_90+
+    done by TMA's reduce-add where ``tma_add_ok(out)``, with the same bits).
     """
     fn = grouped_wgrad_triton if use_triton(a_MK, b_MN, offsets_E1) else grouped_wgrad_reference
     return fn(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S, scale_S=scale_S,

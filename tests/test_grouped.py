@@ -273,12 +273,15 @@ def test_grouped_wgrad_kernel(dtype, device):
     assert rel_err(got, direct) < TOL[dtype]
 
 
+@pytest.mark.parametrize("Nb", [21, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_wgrad_accumulates_into_fp32_out(dtype, device):
+def test_grouped_wgrad_accumulates_into_fp32_out(dtype, Nb, device):
     """accumulate=True: out += dw in fp32 before the store (gradient accumulation fusion), for
     bf16 and fp32 inputs; experts without rows keep out as it was; no rows at all: out unchanged;
-    accumulate=False with out: overwritten. Against float64 sums of the per-expert products."""
-    T, E, K, Ka, Nb = 23, 6, 2, 35, 21
+    accumulate=False with out: overwritten. Against float64 sums of the per-expert products.
+    On an sm_90+ GPU, 20 columns (80-byte rows) take the TMA reduce-add path, 21 the kernel's own
+    load-add-store; the tiles overhang out's 35 x Nb on both sides."""
+    T, E, K, Ka = 23, 6, 2, 35
     r, S, _, gen = kernel_inputs("sparse", T, E, K, device)  # experts 0, 2, 3, 5 empty
     a = torch.randn(S, Ka, generator=gen).to(device, dtype)
     b = torch.randn(T, Nb, generator=gen).to(device, dtype)
@@ -300,6 +303,9 @@ def test_grouped_wgrad_accumulates_into_fp32_out(dtype, device):
     kept = start.clone()
     G.grouped_wgrad(a[:0], b[:0], none.expert_offsets_E1, gather_b_S=none.sorted_token_N, out=kept, accumulate=True)
     assert torch.equal(kept, start)
+    if device.type == "cuda":
+        tma = torch.cuda.get_device_capability()[0] >= 9 and Nb % 4 == 0
+        assert G.tma_add_ok(start) == tma
     with pytest.raises(ValueError, match="accumulate=True adds into out"):
         G.grouped_wgrad(a, b, r.expert_offsets_E1, accumulate=True, **kw)
     with pytest.raises(ValueError, match="out must be"):
@@ -420,6 +426,39 @@ def test_grouped_mlp_gpu_bf16_vs_reference_experts(activation):
     assert rel_err(y, y_ref) < 2e-2
     for name, got, want in zip(("dx", "dw1", "dw2", "dweights"), leaves, ref):
         assert rel_err(got.grad, want.grad) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_grouped_wgrad_tma_add_equals_load_add_store(monkeypatch):
+    """The accumulating weight gradient through TMA's reduce-add and through the kernel's own
+    fp32 load-add-store give the same bits (one fp32 add of the same sum per element), over
+    uneven experts with one empty, K and N not multiples of the tile, and a second
+    accumulation on top of the first."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0+")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    T, E, H, F = 700, 8, 200, 324
+    ids = torch.randint(0, E - 1, (T, 1), generator=gen)  # expert E-1 empty
+    ids[:300] = 2  # one heavy expert
+    r = routing_metadata(ids.to(dev), E, 128)
+    x = torch.randn(T, H, generator=gen).to(dev, torch.bfloat16)
+    d = torch.randn(T, F, generator=gen).to(dev, torch.bfloat16)[r.sorted_token_N.long()]
+    start = torch.randn(E, H, F, generator=gen).to(dev)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MEGATRON_MOE_TMA_ADD", flag)
+        out = start.clone()
+        assert G.tma_add_ok(out) == (flag == "1")
+        for _ in range(2):
+            G.grouped_wgrad(x, d, r.expert_offsets_E1, gather_a_S=r.sorted_token_N, out=out, accumulate=True)
+        outs[flag] = out
+    assert torch.equal(outs["1"], outs["0"])
+    assert torch.equal(outs["1"][E - 1], start[E - 1])
+    e_S = torch.repeat_interleave(torch.arange(E, device=dev), r.tokens_per_expert_E.long())
+    xs = x[r.sorted_token_N.long()].double()
+    dw = torch.stack([xs[e_S == e].t() @ d[e_S == e].double() for e in range(E)])
+    assert ((outs["1"].double() - (start.double() + 2 * dw)).abs().max() / dw.abs().max()) < 1e-5
 
 
 @pytest.mark.gpu
