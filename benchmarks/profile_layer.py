@@ -234,17 +234,21 @@ SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
 
 
 def _sweep_space(kern_is_wgrad, name):
-    """(meta-parameters, warps, stages) of every config the sweep tries on GEMM ``name``."""
+    """The triton.Config of every config the sweep tries on GEMM ``name`` (weight gradients built
+    as the kernel's own configs are, with the pre-hook that sizes their TMA box)."""
+    import triton
+
+    from megatron_moe.kernels import grouped as G
+
     if kern_is_wgrad:
-        return [(dict(BLOCK_K=k, BLOCK_N=n, BLOCK_S=s_), w, st) for k, n, s_, w, st in SWEEP_WGRAD]
-    return [(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, PREFETCH=pf, PERSISTENT=ps), w, st)
+        return [G._wgrad_config(*c) for c in SWEEP_WGRAD]
+    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, PREFETCH=pf, PERSISTENT=ps), num_warps=w,
+                          num_stages=st)
             for m, n, k, w, st, pf, ps in SWEEP_GEMM
             if not pf or "bwd" in name]  # PREFETCH only changes the backward epilogues
 
 
 def sweep(p, device, only=None):
-    import triton
-
     from megatron_moe.kernels import grouped as G
 
     flops = 2 * p["S"] * p["H"] * p["F"]
@@ -259,10 +263,9 @@ def sweep(p, device, only=None):
                 continue
             best = None
             want = None
-            for meta, warps, stages in _sweep_space(kern is G._grouped_wgrad_kernel, name):
-                cfg = (meta, warps, stages)
-                kern.configs = [triton.Config(meta, num_warps=warps, num_stages=stages,  # wgrad: sizes its TMA box
-                                              pre_hook=G._size_out_desc if kern is G._grouped_wgrad_kernel else None)]
+            for config in _sweep_space(kern is G._grouped_wgrad_kernel, name):
+                cfg = (config.kwargs, config.num_warps, config.num_stages)
+                kern.configs = [config]
                 G.clear_tuning_cache()
                 if "+=" in name:  # accumulating calls: compare one addition into zeros
                     p["g2" if "dw2" in name else "g1"].zero_()

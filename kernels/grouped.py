@@ -582,7 +582,7 @@ def _launch(kernel, grid, args, meta, tune_key):
         if getattr(kernel, "best_config", None) is not None:
             _TUNED[key] = kernel.best_config
     else:
-        if meta.get("TMA_ADD"):  # the config's pre-hook sizes the descriptor's box, as in the autotuner
+        if cfg.pre_hook is not None:  # as the autotuner does before each launch
             cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **meta, **cfg.all_kwargs()})
         kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
 
