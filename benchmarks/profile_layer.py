@@ -182,7 +182,7 @@ def gemm_rows(shape, device, skew=0.0, only=None):
         ms = _bench(fn)
         rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9,
                          config=None if best is None else dict(best.kwargs, warps=best.num_warps,
-                                                               stages=best.num_stages)))
+                                                               stages=best.num_stages, maxnreg=best.maxnreg)))
     if only:
         return rows, p
     # the same six products on torch._grouped_mm (CUTLASS on Hopper) over pre-sorted rows, the
@@ -215,7 +215,7 @@ def gemm_rows(shape, device, skew=0.0, only=None):
     return rows, p
 
 
-SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT (programs per SM)
+SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT (programs per SM)[, maxnreg]
     (64, 64, 64, 4, 4, 0, 0), (64, 128, 64, 4, 4, 0, 0), (128, 64, 64, 4, 4, 0, 0), (128, 128, 64, 8, 3, 0, 0),
     (128, 128, 64, 8, 4, 0, 0), (128, 256, 64, 8, 3, 0, 0), (128, 256, 64, 8, 4, 0, 0), (128, 256, 32, 8, 4, 0, 0),
     (64, 128, 64, 4, 4, 1, 0), (128, 64, 64, 4, 4, 1, 0), (128, 128, 64, 8, 3, 1, 0), (128, 128, 64, 8, 4, 1, 0),
@@ -223,6 +223,8 @@ SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT
     (128, 256, 64, 8, 3, 0, 1), (128, 256, 64, 8, 4, 0, 1), (128, 128, 64, 8, 3, 0, 1), (128, 128, 64, 8, 4, 0, 1),
     (128, 128, 64, 8, 3, 1, 1), (128, 128, 64, 8, 4, 1, 1), (128, 128, 64, 4, 3, 0, 2), (64, 128, 64, 4, 4, 0, 2),
     (128, 64, 64, 4, 4, 0, 2), (64, 128, 64, 4, 4, 1, 2),
+    # an 8th entry caps the registers (maxnreg), so 2-3 programs share an SM
+    (64, 128, 64, 4, 3, 0, 0, 168), (64, 128, 64, 4, 3, 0, 0, 160), (128, 128, 64, 8, 3, 1, 0, 128),
 ]
 SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
     (64, 64, 64, 4, 4), (64, 64, 64, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
@@ -243,8 +245,8 @@ def _sweep_space(kern_is_wgrad, name):
     if kern_is_wgrad:
         return [G._wgrad_config(*c) for c in SWEEP_WGRAD]
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, PREFETCH=pf, PERSISTENT=ps), num_warps=w,
-                          num_stages=st)
-            for m, n, k, w, st, pf, ps in SWEEP_GEMM
+                          num_stages=st, maxnreg=(reg or [None])[0])
+            for m, n, k, w, st, pf, ps, *reg in SWEEP_GEMM
             if not pf or "bwd" in name]  # PREFETCH only changes the backward epilogues
 
 
@@ -264,7 +266,7 @@ def sweep(p, device, only=None):
             best = None
             want = None
             for config in _sweep_space(kern is G._grouped_wgrad_kernel, name):
-                cfg = (config.kwargs, config.num_warps, config.num_stages)
+                cfg = (config.kwargs, config.num_warps, config.num_stages, config.maxnreg)
                 kern.configs = [config]
                 G.clear_tuning_cache()
                 if "+=" in name:  # accumulating calls: compare one addition into zeros
@@ -415,6 +417,7 @@ def main(argv=None):
             tile = " ".join(f"{k[6:]}{cfg[k]}" for k in ("BLOCK_M", "BLOCK_S", "BLOCK_N", "BLOCK_K") if k in cfg)
             extra = f" {tile} w{cfg['warps']} s{cfg['stages']}" if cfg else ""
             extra += " persistent" * bool(cfg.get("PERSISTENT")) + " prefetch" * bool(cfg.get("PREFETCH"))
+            extra += f" maxnreg {cfg['maxnreg']}" if cfg.get("maxnreg") else ""
             print(f"[{cname}] gemm {r['gemm']:<36} {r['ms']:.3f} ms {r['tflops']:6.1f} TFLOP/s{extra}", flush=True)
         if not args.no_sweep:
             res["sweep"] = sweep(p, device, [o for o in args.sweep_only.split(",") if o])

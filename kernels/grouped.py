@@ -72,7 +72,7 @@ def _gemm_configs() -> list[triton.Config]:
     # (register pressure), some with the pre-activation loaded before the main loop.
     # PERSISTENT p > 0: p programs per SM loop over the tiles (the next tile's loads overlap
     # this tile's epilogue), 0: one program per tile.
-    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT
+    shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT[, maxnreg]
         (64, 64, 64, 4, 4, 0, 0),
         (64, 128, 64, 4, 4, 0, 0),
         (128, 64, 64, 4, 4, 0, 0),
@@ -90,12 +90,16 @@ def _gemm_configs() -> list[triton.Config]:
         (128, 128, 64, 8, 3, 1, 1),
         (128, 128, 64, 4, 3, 0, 2),
         (64, 128, 64, 4, 4, 0, 2),
+        # registers capped at 168 so three programs share an SM: while one runs the backward
+        # activation epilogue (~250 registers uncapped, one program per SM), the others keep the
+        # tensor cores busy; 96 bytes of spills (dgelu, dmoe-small: 0.620 -> 0.571 ms on an H100)
+        (64, 128, 64, 4, 3, 0, 0, 168),
     ]
     if os.environ.get("MEGATRON_MOE_PERSISTENT", "1") == "0":  # A/B: one program per tile only
         shapes = [c for c in shapes if not c[6]]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "PREFETCH": pf, "PERSISTENT": ps},
-                          num_warps=w, num_stages=s)
-            for m, n, k, w, s, pf, ps in (shapes[:1] if _single_config() else shapes)]
+                          num_warps=w, num_stages=st, maxnreg=(reg or [None])[0])
+            for m, n, k, w, st, pf, ps, *reg in (shapes[:1] if _single_config() else shapes)]
 
 
 @functools.lru_cache(maxsize=None)
