@@ -90,9 +90,9 @@ def _gemm_configs() -> list[triton.Config]:
         (128, 128, 64, 8, 3, 1, 1),
         (128, 128, 64, 4, 3, 0, 2),
         (64, 128, 64, 4, 4, 0, 2),
-        # registers capped at 168 so three programs share an SM: while one runs the backward
-        # activation epilogue (~250 registers uncapped, one program per SM), the others keep the
-        # tensor cores busy; 96 bytes of spills (dgelu, dmoe-small: 0.620 -> 0.571 ms on an H100)
+        # registers capped at 168 so three programs share an SM (uncapped, the backward activation
+        # epilogue takes ~250, two per SM): while one runs its epilogue the others keep the tensor
+        # cores busy; 96 bytes of spills (dgelu at dmoe-small: 0.619 -> 0.571 ms on an H100)
         (64, 128, 64, 4, 3, 0, 0, 168),
     ]
     if os.environ.get("MEGATRON_MOE_PERSISTENT", "1") == "0":  # A/B: one program per tile only
