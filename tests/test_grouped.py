@@ -462,6 +462,53 @@ def test_grouped_wgrad_tma_add_equals_load_add_store(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_every_tile_config_computes_the_reference(monkeypatch):
+    """Each config the autotuner may pick for the row-grouped kernel (tiles, persistent
+    schedules, register caps that spill), alone, on the three epilogue kinds: sizes that are
+    not multiples of any tile, one empty expert, a heavy one, gather / scatter / scales."""
+    monkeypatch.delenv("MEGATRON_MOE_AUTOTUNE", raising=False)
+    monkeypatch.delenv("MEGATRON_MOE_PERSISTENT", raising=False)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(11)
+    T, E, H, F = 900, 6, 200, 328
+    ids = torch.randint(0, E - 1, (T, 1), generator=gen)  # expert E-1 empty
+    ids[:400] = 1
+    r = routing_metadata(ids.to(dev), E, 128)
+    off, tok, order = r.expert_offsets_E1, r.sorted_token_N, r.sort_order_N
+    bf = torch.bfloat16
+    x = torch.randn(T, H, generator=gen).to(dev, bf)
+    w1 = (torch.randn(E, H, F, generator=gen) / H ** 0.5).to(dev, bf)
+    act = torch.randn(T, F, generator=gen).to(dev, bf)
+    pre = torch.randn(T, F, generator=gen).to(dev, bf)
+    scale = torch.rand(T, generator=gen).to(dev)
+    w2t = (torch.randn(E, F, H, generator=gen) / F ** 0.5).to(dev, bf).transpose(1, 2)
+    calls = {  # epilogue: (kernel call, reference call)
+        "gelu": lambda f: f(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale),
+        "none": lambda f: f(act, w1.transpose(1, 2), off, scatter_S=order),
+    }
+    want = {"gelu": calls["gelu"](G.grouped_gemm_reference), "none": calls["none"](G.grouped_gemm_reference),
+            "dgelu": G.grouped_gemm_dact_reference(x, w2t, off, pre, "gelu", gather_S=tok, scale_S=scale)}
+    kern, saved = G._grouped_gemm_kernel, G._grouped_gemm_kernel.configs
+    configs = G._gemm_configs()
+    assert any(c.maxnreg for c in configs)
+    try:
+        for epilogue in ("gelu", "none", "dgelu"):
+            for cfg in G._prune_gemm_configs(configs, {}, EPILOGUE=epilogue):
+                kern.configs = [cfg]
+                G.clear_tuning_cache()
+                if epilogue == "dgelu":
+                    got = G.grouped_gemm_dact(x, w2t, off, pre, "gelu", gather_S=tok, scale_S=scale)
+                else:
+                    got = calls[epilogue](G.grouped_gemm)
+                for g, w in zip(got if isinstance(got, tuple) else (got,),
+                                want[epilogue] if isinstance(want[epilogue], tuple) else (want[epilogue],)):
+                    assert rel_err(g, w) < 2e-2, f"{epilogue}: {cfg}"
+    finally:
+        kern.configs = saved
+        G.clear_tuning_cache()
+
+
+@pytest.mark.gpu
 def test_grouped_mlp_gpu_fp32_tight():
     check_op(200, 96, 80, 8, 2, "random", "swiglu", torch.float32, torch.device("cuda"))
 
