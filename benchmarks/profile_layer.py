@@ -236,18 +236,14 @@ SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
 
 
 def _sweep_space(kern_is_wgrad, name):
-    """The triton.Config of every config the sweep tries on GEMM ``name`` (weight gradients built
-    as the kernel's own configs are, with the pre-hook that sizes their TMA box)."""
-    import triton
-
+    """The triton.Config of every config the sweep tries on GEMM ``name``, built as the kernels'
+    own configs are (with the pre-hooks that size their TMA boxes)."""
     from megatron_moe.kernels import grouped as G
 
     if kern_is_wgrad:
         return [G._wgrad_config(*c) for c in SWEEP_WGRAD]
-    return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, PREFETCH=pf, PERSISTENT=ps), num_warps=w,
-                          num_stages=st, maxnreg=(reg or [None])[0])
-            for m, n, k, w, st, pf, ps, *reg in SWEEP_GEMM
-            if not pf or "bwd" in name]  # PREFETCH only changes the backward epilogues
+    return [G._gemm_config(*c) for c in SWEEP_GEMM
+            if not c[5] or "bwd" in name]  # PREFETCH only changes the backward epilogues
 
 
 def sweep(p, device, only=None):
@@ -312,7 +308,7 @@ def launch_overhead(device, n=200):
                 w.stride(0), w.stride(1), w.stride(2), out.stride(0), 0, 0)
 
     meta = dict(EPILOGUE="none", HAS_GATHER=True, HAS_SCATTER=False, HAS_SCALE=False, HAS_ACT_SCALE=False,
-                DOT_PRECISION="tf32", DOT_F32=False, FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT)
+                DOT_PRECISION="tf32", DOT_F32=False, FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT, W_TMA=False)
     grid = (G.max_row_blocks(T, E, cfg.kwargs["BLOCK_M"]) * triton.cdiv(F, cfg.kwargs["BLOCK_N"]),)
     calls = {
         "grouped_gemm (public)": lambda: G.grouped_gemm(x, w, off, gather_S=tok),

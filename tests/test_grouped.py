@@ -107,7 +107,8 @@ def schedule(request, monkeypatch):
     if request.param:
         kern = G._grouped_gemm_kernel
         base = kern.configs[0]
-        cfg = triton.Config(dict(base.kwargs, PERSISTENT=1), num_warps=base.num_warps, num_stages=base.num_stages)
+        cfg = triton.Config(dict(base.kwargs, PERSISTENT=1), num_warps=base.num_warps, num_stages=base.num_stages,
+                            pre_hook=base.pre_hook)
         monkeypatch.setattr(kern, "configs", [cfg])
         monkeypatch.setattr(G, "_num_sms", lambda device_index: 2)
         G.clear_tuning_cache()
