@@ -643,15 +643,15 @@ def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue,
 def w_tma_ok(w_EKN: torch.Tensor) -> bool:
     """Whether the row-grouped kernel reads the weights through a tensor descriptor (Hopper's
     tensor-memory unit) instead of pointer loads: for transposed weights (K contiguous, the
-    backward's w1ᵀ and w2ᵀ views), 16-bit, on compute capability 9.0+, with a 16-byte aligned base
-    and strides, unless MEGATRON_MOE_W_TMA=0 (A/B switch). Measured on an H100: the dx GEMM 6-18%
-    faster, the dgelu GEMM 1-5%; weights with N contiguous (the forward's) gained nothing, so they
-    keep the pointer loads (benchmarks/NOTES.md)."""
+    backward's w1ᵀ and w2ᵀ views), 16-bit, on an NVIDIA GPU of compute capability 9.0+, with a
+    16-byte aligned base and strides, unless MEGATRON_MOE_W_TMA=0 (A/B switch). Measured on an
+    H100: the dx GEMM 6-18% faster, the dgelu GEMM 1-5%; weights with N contiguous (the
+    forward's) gained nothing, so they keep the pointer loads (benchmarks/NOTES.md)."""
     e, k, n = w_EKN.stride()
     return (TensorDescriptor is not None and w_EKN.is_cuda and not interpret_mode()
             and os.environ.get("MEGATRON_MOE_W_TMA", "1") != "0" and w_EKN.element_size() == 2
             and k == 1 and e % 8 == 0 and n % 8 == 0 and w_EKN.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(w_EKN.device)[0] >= 9)
+            and torch.version.hip is None and torch.cuda.get_device_capability(w_EKN.device)[0] >= 9)
 
 
 def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
@@ -749,13 +749,14 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
 
 
 def tma_add_ok(out: torch.Tensor) -> bool:
-    """Whether an accumulating weight gradient adds into ``out`` through TMA: a CUDA device of
+    """Whether an accumulating weight gradient adds into ``out`` through TMA: an NVIDIA GPU of
     compute capability 9.0 or newer, fp32 out with contiguous rows, 16-byte aligned base and row
     strides (the tensor-memory unit's rules), and MEGATRON_MOE_TMA_ADD not "0" (A/B switch).
     Otherwise the kernel loads, adds and stores the fp32 tile itself."""
     return (_HAS_TMA_ADD and out.is_cuda and not interpret_mode()
             and os.environ.get("MEGATRON_MOE_TMA_ADD", "1") != "0"
-            and torch.cuda.get_device_capability(out.device)[0] >= 9 and out.dtype == torch.float32
+            and torch.version.hip is None and torch.cuda.get_device_capability(out.device)[0] >= 9
+            and out.dtype == torch.float32
             and out.stride(2) == 1 and out.data_ptr() % 16 == 0
             and out.stride(0) % 4 == 0 and out.stride(1) % 4 == 0)
 
