@@ -466,7 +466,8 @@ def test_grouped_wgrad_tma_add_equals_load_add_store(monkeypatch):
 def test_every_tile_config_computes_the_reference(monkeypatch):
     """Each config the autotuner may pick for the row-grouped kernel (tiles, persistent
     schedules, register caps that spill), alone, on the three epilogue kinds: sizes that are
-    not multiples of any tile, one empty expert, a heavy one, gather / scatter / scales."""
+    not multiples of any tile, one empty expert, a heavy one, gather / scatter / scales. The
+    plain and dgelu calls take transposed weights, as the backward does (TMA loads on sm_90+)."""
     monkeypatch.delenv("MEGATRON_MOE_AUTOTUNE", raising=False)
     monkeypatch.delenv("MEGATRON_MOE_PERSISTENT", raising=False)
     dev = torch.device("cuda")
@@ -483,7 +484,7 @@ def test_every_tile_config_computes_the_reference(monkeypatch):
     pre = torch.randn(T, F, generator=gen).to(dev, bf)
     scale = torch.rand(T, generator=gen).to(dev)
     w2t = (torch.randn(E, F, H, generator=gen) / F ** 0.5).to(dev, bf).transpose(1, 2)
-    calls = {  # epilogue: (kernel call, reference call)
+    calls = {  # epilogue: the call, given the kernel's entry point or the reference
         "gelu": lambda f: f(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale),
         "none": lambda f: f(act, w1.transpose(1, 2), off, scatter_S=order),
     }
