@@ -643,15 +643,22 @@ def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue,
 def w_tma_ok(w_EKN: torch.Tensor) -> bool:
     """Whether the row-grouped kernel reads the weights through a tensor descriptor (Hopper's
     tensor-memory unit) instead of pointer loads: for transposed weights (K contiguous, the
-    backward's w1ᵀ and w2ᵀ views), 16-bit, on an NVIDIA GPU of compute capability 9.0+, with a
-    16-byte aligned base and strides, unless MEGATRON_MOE_W_TMA=0 (A/B switch). Measured on an
-    H100: the dx GEMM 6-18% faster, the dgelu GEMM 1-5%; weights with N contiguous (the
-    forward's) gained nothing, so they keep the pointer loads (benchmarks/NOTES.md)."""
-    e, k, n = w_EKN.stride()
-    return (TensorDescriptor is not None and w_EKN.is_cuda and not interpret_mode()
-            and os.environ.get("MEGATRON_MOE_W_TMA", "1") != "0" and w_EKN.element_size() == 2
-            and k == 1 and e % 8 == 0 and n % 8 == 0 and w_EKN.data_ptr() % 16 == 0
-            and torch.version.hip is None and torch.cuda.get_device_capability(w_EKN.device)[0] >= 9)
+    backward's w1ᵀ and w2ᵀ views), 16-bit, where ``_tma_can_describe`` their [E, N, K] storage,
+    unless MEGATRON_MOE_W_TMA=0 (A/B switch). Measured on an H100: the dx GEMM 6-18% faster, the
+    dgelu GEMM 1-5%; weights with N contiguous (the forward's) gained nothing, so they keep the
+    pointer loads (benchmarks/NOTES.md)."""
+    return w_EKN.element_size() == 2 and _tma_can_describe(w_EKN.transpose(1, 2), "MEGATRON_MOE_W_TMA")
+
+
+def _tma_can_describe(t: torch.Tensor, switch: str) -> bool:
+    """Whether a host tensor descriptor over ``t`` can be used: Triton has them, an NVIDIA GPU of
+    compute capability 9.0+ (not the interpreter), the last dimension contiguous, the base and the
+    other strides multiples of 16 bytes (the tensor-memory unit's rules), and the environment
+    variable ``switch`` not "0" (A/B switch)."""
+    return (TensorDescriptor is not None and t.is_cuda and not interpret_mode()
+            and os.environ.get(switch, "1") != "0" and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+            and torch.version.hip is None and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,
@@ -749,16 +756,11 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
 
 
 def tma_add_ok(out: torch.Tensor) -> bool:
-    """Whether an accumulating weight gradient adds into ``out`` through TMA: an NVIDIA GPU of
-    compute capability 9.0 or newer, fp32 out with contiguous rows, 16-byte aligned base and row
-    strides (the tensor-memory unit's rules), and MEGATRON_MOE_TMA_ADD not "0" (A/B switch).
-    Otherwise the kernel loads, adds and stores the fp32 tile itself."""
-    return (_HAS_TMA_ADD and out.is_cuda and not interpret_mode()
-            and os.environ.get("MEGATRON_MOE_TMA_ADD", "1") != "0"
-            and torch.version.hip is None and torch.cuda.get_device_capability(out.device)[0] >= 9
-            and out.dtype == torch.float32
-            and out.stride(2) == 1 and out.data_ptr() % 16 == 0
-            and out.stride(0) % 4 == 0 and out.stride(1) % 4 == 0)
+    """Whether an accumulating weight gradient adds into ``out`` through TMA: fp32 out where
+    Triton has the descriptors' reduce-add and ``_tma_can_describe`` it, unless
+    MEGATRON_MOE_TMA_ADD=0 (A/B switch). Otherwise the kernel loads, adds and stores the fp32
+    tile itself."""
+    return _HAS_TMA_ADD and out.dtype == torch.float32 and _tma_can_describe(out, "MEGATRON_MOE_TMA_ADD")
 
 
 def _check_wgrad_out(out, accumulate, shape, device) -> None:
