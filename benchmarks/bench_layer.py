@@ -3,6 +3,7 @@
     python benchmarks/bench_layer.py                       # all configs, all providers
     python benchmarks/bench_layer.py --configs paper-moe-m --providers dense,grouped
     python benchmarks/bench_layer.py --out benchmarks/results/h100.json
+    python benchmarks/bench_layer.py --timing eager,graph  # also replays of a CUDA graph of each step
 
 Providers:
   dense            a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
@@ -13,7 +14,13 @@ Providers:
 Every MoE provider runs the whole layer (router, metadata, experts, combine). TFLOP/s counts
 useful expert FLOPs only, 12 * tokens * top_k * hidden * ffn (three GEMMs of 2*T*K*H*F each for
 the two matmuls, forward + backward), the same for every provider. Median of do_bench; peak
-memory is the allocator's high-water mark during one step, less the parameters and inputs.
+memory is the allocator's high-water mark during one (eager) step, less the parameters and inputs.
+
+--timing graph: each provider's forward + backward is captured once in a CUDA graph and the
+replays are timed, so the host's Python and launch costs drop out and the GPU's own time per
+step is what is measured (in training the host runs ahead, enqueueing later layers while the GPU
+works, unless something synchronises). A provider that synchronises with the host cannot be
+captured: its row says so. The MoE providers other than capacity have no host synchronisation.
 """
 from __future__ import annotations
 
@@ -59,7 +66,9 @@ class GroupedMMMoE(torch.nn.Module):
         T, K = r.expert_ids_TK.shape
         ids_N = r.expert_ids_TK.reshape(-1)
         order_N = torch.argsort(ids_N, stable=True)
-        offs_E = torch.cumsum(torch.bincount(ids_N, minlength=moe.cfg.num_experts), 0).to(torch.int32)
+        # counts without torch.bincount, which reads the largest id on the host (a sync)
+        counts_E = ids_N.new_zeros(moe.cfg.num_experts).index_add_(0, ids_N, torch.ones_like(ids_N))
+        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_NH = x_TH[order_N // K]
         h = torch._grouped_mm(x_NH, moe.experts.w1, offs=offs_E)
         y_NH = torch._grouped_mm(F.gelu(h, approximate="tanh"), moe.experts.w2, offs=offs_E)
@@ -87,8 +96,9 @@ def make_step(provider, shape, device):
     tokens, hidden = shape[0], shape[1]
     torch.manual_seed(0)
     model = build(provider, *shape, device)
-    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    # drawn on the CPU: the GPU's generator is left unusable by a failed graph capture
+    x = torch.randn(tokens, hidden).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(tokens, hidden).to(device, torch.bfloat16)
     params = list(model.parameters())
 
     def step():
@@ -100,25 +110,65 @@ def make_step(provider, shape, device):
     return step, model, x
 
 
-def bench_one(provider, shape, device, warmup_ms, rep_ms):
+def graphed(step):
+    """``step`` captured once in a CUDA graph, as torch's whole-network capture does: warm-up runs
+    (compile, autotune) on a side stream, then the capture; returns the graph's replay. Gradients
+    set to None inside the step are allocated from the graph's pool at capture and rewritten by
+    every replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda.set_sync_debug_mode("error")  # a failed capture can leave the GPU unusable: ask first
+        try:
+            step()
+        except RuntimeError as e:
+            raise RuntimeError(f"not capturable, it synchronises with the host ({str(e).splitlines()[0]})") from e
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
+    """One row per timing mode ('eager': the step as called; 'graph': replays of its CUDA graph),
+    same model and inputs."""
     import triton.testing
 
     tokens, hidden, ffn, experts, top_k = shape
     step, model, x = make_step(provider, shape, device)
-    step()  # compile / autotune
+    flops = 12 * tokens * top_k * hidden * ffn
+    fns = {}
+    if "graph" in timings:  # captured first, before any step on the default stream
+        try:
+            fns["graph"] = graphed(step)
+        except Exception as e:  # e.g. a provider that cannot be captured: its eager row still counts
+            fns["graph"] = e
+    step()  # compile / autotune (if not done above)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     peak_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ms = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    flops = 12 * tokens * top_k * hidden * ffn
-    row = dict(config=None, provider=provider, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts,
-               top_k=top_k, median_ms=ms, tflops=flops / ms / 1e9, peak_mem_gb=peak_gb)
+    fns["eager"] = step
+    rows = []
+    for timing in timings:
+        row = dict(config=None, provider=provider, timing=timing, tokens=tokens, hidden=hidden, ffn=ffn,
+                   experts=experts, top_k=top_k, peak_mem_gb=peak_gb)
+        fn = fns[timing]
+        if isinstance(fn, Exception):
+            row["error"] = f"{type(fn).__name__}: {fn}"[:300]
+        else:
+            ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            row.update(median_ms=ms, tflops=flops / ms / 1e9)
+        rows.append(row)
     del model, x, step
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def main(argv=None):
@@ -127,6 +177,9 @@ def main(argv=None):
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--warmup-ms", type=float, default=100)
     ap.add_argument("--rep-ms", type=float, default=500)
+    ap.add_argument("--timing", default="eager",
+                    help="eager, graph (replays of each step captured in a CUDA graph: the GPU's time, "
+                         "not the host's) or eager,graph")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -136,31 +189,37 @@ def main(argv=None):
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 cuda=torch.version.cuda, python=platform.python_version(),
-                date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
+                date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
+                timing=args.timing)
+    timings = args.timing.split(",")
+    if not set(timings) <= {"eager", "graph"}:
+        sys.exit(f"--timing {args.timing!r}: expected eager, graph or eager,graph")
     rows = []
     for name in args.configs.split(","):
         shape = CONFIGS[name]
         for provider in args.providers.split(","):
             try:
-                row = bench_one(provider, shape, device, args.warmup_ms, args.rep_ms)
+                new = bench_one(provider, shape, device, args.warmup_ms, args.rep_ms, timings)
             except Exception as e:  # keep going: one failing provider must not hide the others
-                row = dict(provider=provider, error=f"{type(e).__name__}: {e}"[:300])
-            row["config"] = name
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    # ratio to the dense MLP measured in the same run
-    for name in args.configs.split(","):
-        dense = next((r for r in rows if r["config"] == name and r["provider"] == "dense" and "tflops" in r), None)
-        for r in rows:
-            if r["config"] == name and "tflops" in r and dense:
-                r["vs_dense"] = r["tflops"] / dense["tflops"]
-    print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}")
-    print(f"{'config':<14} {'provider':<17} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8}")
+                new = [dict(provider=provider, timing=t, error=f"{type(e).__name__}: {e}"[:300]) for t in timings]
+            for row in new:
+                row["config"] = name
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    # ratio to the dense MLP measured in the same run, with the same timing
     for r in rows:
+        dense = next((d for d in rows if d["config"] == r["config"] and d["timing"] == r["timing"]
+                      and d["provider"] == "dense" and "tflops" in d), None)
+        if "tflops" in r and dense:
+            r["vs_dense"] = r["tflops"] / dense["tflops"]
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}")
+    print(f"{'config':<14} {'provider':<17} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8}")
+    for r in rows:
+        head = f"{r['config']:<14} {r['provider']:<17} {r['timing']:<6}"
         if "error" in r:
-            print(f"{r['config']:<14} {r['provider']:<17} ERROR {r['error'][:80]}")
+            print(f"{head} ERROR {r['error'][:80]}")
         else:
-            print(f"{r['config']:<14} {r['provider']:<17} {r['median_ms']:8.2f} {r['tflops']:8.1f} "
+            print(f"{head} {r['median_ms']:8.2f} {r['tflops']:8.1f} "
                   f"{r.get('vs_dense', float('nan')):8.2f} {r['peak_mem_gb']:8.2f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

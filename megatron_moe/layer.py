@@ -78,6 +78,11 @@ class DroplessMoE(nn.Module):
                     f"(shape {tuple(x.shape)}): they come from the input or an earlier layer; "
                     "check the learning rate, the data and the layers before this one "
                     "(MEGATRON_MOE_CHECK_FINITE=1 turned this check on)")
+        # Drop the last forward's losses before routing: they hold its autograd graph, and with it
+        # the gradient accumulators of the leaves (router weight, x), which autograd would reuse
+        # here together with the stream they were made on. A CUDA graph captured on its own stream
+        # after eager steps on the default stream then fails (the legacy stream cannot be captured).
+        self.aux_loss = self.z_loss = self.load_balancing_loss = None
         x_TH = x.reshape(-1, H)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):

@@ -457,3 +457,65 @@ def test_layer_forward_backward_without_host_sync(impl):
         (layer(x).sum() + layer.aux_loss).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl, dtype", [("grouped", torch.float32), ("grouped", torch.bfloat16),
+                                         ("grouped_mm", torch.bfloat16), ("blocksparse", torch.float32),
+                                         ("blocksparse", torch.bfloat16)])
+def test_layer_replays_from_a_cuda_graph(impl, dtype):
+    """Forward + backward captured once in a CUDA graph, replayed on new data (new tokens and
+    router weights: other routing, then every token's first choice on one expert) equal the
+    float64 loop on that data: sizes are bounded up front and the routing is read on the GPU
+    only, so no routing decision of the capture is baked into the replays. bf16 takes the
+    kernels' TMA paths on Hopper. An eager step on the default stream comes first: the layer must
+    not keep autograd state from it into the capture (it kept its last aux loss's graph once, and
+    the capture failed)."""
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    # an aux loss with a graph (not part of the compared backward): what the layer kept
+    cfg = cfg_(mlp_impl=impl, block_size=128, top_k=2, num_experts=8, aux_loss_coeff=0.01)
+    layer = make_layer(cfg, device="cuda")
+    T = 300  # not a multiple of the block
+    x = torch.randn(T, cfg.hidden_size, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(T, cfg.hidden_size, device="cuda", dtype=dtype)
+    params = [layer.router.weight, layer.experts.w1, layer.experts.w2]
+
+    def step():
+        for t in params + [x]:
+            t.grad = None
+        y = layer(x)
+        y.backward(dy)
+        return y
+
+    step()  # eager steps on the default stream first, as a training loop would run before capturing
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()  # warm-up (compile, autotune) off the capture, as torch's recipe does
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+
+    g = torch.Generator().manual_seed(7)
+    spread = torch.randn(T, cfg.hidden_size, generator=g), torch.randn(8, cfg.hidden_size, generator=g)
+    router_one = torch.randn(8, cfg.hidden_size, generator=g) * 0.01
+    router_one[5] = 0.1  # with positive tokens expert 5 is everyone's first choice
+    one = torch.rand(T, cfg.hidden_size, generator=g) + 0.1, router_one
+    for x_new, router_new in (spread, one):
+        with torch.no_grad():
+            x.copy_(x_new)
+            layer.router.weight.copy_(router_new)
+            dy.copy_(torch.randn(T, cfg.hidden_size, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_params = [p.detach().double().cpu().requires_grad_(True) for p in params]
+        x_ref = x.detach().double().cpu().requires_grad_(True)
+        y_ref = loop_reference(x_ref, *ref_params, cfg)
+        y_ref.backward(dy.double().cpu())
+        assert rel(y, y_ref) < tol, f"forward rel err {rel(y, y_ref)}"
+        assert rel(x.grad, x_ref.grad) < tol, f"dx rel err {rel(x.grad, x_ref.grad)}"
+        for name, p, r in zip(("router", "w1", "w2"), params, ref_params):
+            assert rel(p.grad, r.grad) < tol, f"d{name} rel err {rel(p.grad, r.grad)}"
+    assert layer.tokens_per_expert[5].item() == T  # the last replay's routing, counted on the GPU
