@@ -240,8 +240,9 @@ def _sweep_space(kern_is_wgrad, name):
     own configs are (with the pre-hooks that size their TMA boxes)."""
     from megatron_moe.kernels import grouped as G
 
-    if kern_is_wgrad:
-        return [G._wgrad_config(*c) for c in SWEEP_WGRAD]
+    if kern_is_wgrad:  # accumulating through TMA's reduce-add too, where the call makes a descriptor
+        both = "+=" in name and "ldst" not in name
+        return [G._wgrad_config(*c, tma_add=t) for c in SWEEP_WGRAD for t in ((False, True) if both else (False,))]
     return [G._gemm_config(*c) for c in SWEEP_GEMM
             if not c[5] or "bwd" in name]  # PREFETCH only changes the backward epilogues
 
@@ -414,6 +415,7 @@ def main(argv=None):
             extra = f" {tile} w{cfg['warps']} s{cfg['stages']}" if cfg else ""
             extra += " persistent" * bool(cfg.get("PERSISTENT")) + " prefetch" * bool(cfg.get("PREFETCH"))
             extra += f" maxnreg {cfg['maxnreg']}" if cfg.get("maxnreg") else ""
+            extra += " tma-add" * bool(cfg.get("TMA_ADD"))
             print(f"[{cname}] gemm {r['gemm']:<36} {r['ms']:.3f} ms {r['tflops']:6.1f} TFLOP/s{extra}", flush=True)
         if not args.no_sweep:
             res["sweep"] = sweep(p, device, [o for o in args.sweep_only.split(",") if o])

@@ -12,8 +12,9 @@ S, or less when the rows past it are padding: nothing is computed or written for
   weight, recomputing act). See :func:`grouped_gemm_dact`.
 * :func:`grouped_wgrad`: dw[e] = Σ_{s in e} A(s)ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0), with
   A(s) = a[ga(s)] or the activation recomputed from a saved pre-activation (its prologue).
-  Accumulating into an fp32 gradient (out += dw), on sm_90+ the addition is the tensor-memory
-  unit's reduce-add of the tile (``tma_add_ok``), so the fp32 tile never enters registers.
+  Accumulating into an fp32 gradient (out += dw), on sm_90+ the addition may be the tensor-memory
+  unit's reduce-add of the tile (``tma_add_ok``; the autotuner picks it or the kernel's own
+  load-add-store per shape), so the fp32 tile never enters registers.
 
 The row-grouped kernel launches either one program per tile over an upper bound of M tiles
 (``max_row_blocks``, about cdiv(S, BLOCK_M) + E) times the N tiles, programs past the last tile
@@ -124,7 +125,8 @@ def _num_sms(device_index: int | None) -> int:
 
 def _wgrad_configs() -> list[triton.Config]:
     if interpret_mode():
-        return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16, "TMA_ADD": False}, num_warps=4,
+                              num_stages=1)]
     # few rows per expert make the reduction short: fewer stages let two programs share an SM (and
     # overlap one's store with the other's loads; a persistent schedule measured no better)
     shapes = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
@@ -137,13 +139,30 @@ def _wgrad_configs() -> list[triton.Config]:
         (64, 128, 64, 4, 3),
         (128, 64, 64, 4, 3),
     ]
-    return [_wgrad_config(k, n, s, w, st) for k, n, s, w, st in (shapes[:1] if _single_config() else shapes)]
+    # each tile both ways when accumulating into fp32 on sm_90+: through TMA's reduce-add or the
+    # kernel's own load-add-store (_prune_wgrad_configs keeps what the call can run)
+    return [_wgrad_config(*c, tma_add=t) for c in (shapes[:1] if _single_config() else shapes)
+            for t in (False, True)]
 
 
-def _wgrad_config(block_k, block_n, block_s, warps, stages) -> triton.Config:
+def _wgrad_config(block_k, block_n, block_s, warps, stages, tma_add=False) -> triton.Config:
     """A weight-gradient config; its pre-hook gives the TMA output descriptor (if any) the tile."""
-    return triton.Config({"BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_S": block_s}, num_warps=warps,
-                         num_stages=stages, pre_hook=_size_out_desc)
+    return triton.Config({"BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_S": block_s, "TMA_ADD": tma_add},
+                         num_warps=warps, num_stages=stages, pre_hook=_size_out_desc)
+
+
+def _prune_wgrad_configs(configs, named_args, **kwargs):
+    """TMA_ADD configs only where the launcher made the output descriptor (``tma_add_ok``). With
+    one, both kinds are tuned: on an H100 the reduce-add wins at ~512 and more rows per expert
+    (dmoe-small, fine-64e-top8) and loses 5-9% at ~256 (paper-moe-m); MEGATRON_MOE_TMA_ADD=1 or a
+    single config (MEGATRON_MOE_AUTOTUNE=0) keeps the TMA ones only."""
+    if named_args.get("out_desc") is None:
+        want = False
+    elif _single_config() or os.environ.get("MEGATRON_MOE_TMA_ADD") == "1":
+        want = True
+    else:
+        return configs
+    return [c for c in configs if c.kwargs["TMA_ADD"] == want]
 
 
 def _size_out_desc(nargs) -> None:
@@ -438,15 +457,15 @@ def _grouped_gemm_kernel(
 
 # restore_value: benchmarking a config runs the kernel several times, which must not add into an
 # ACCUMULATE output more than once
-@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A", "ACCUMULATE", "TMA_ADD"],
-                 restore_value=["out_ptr"])
+@triton.autotune(configs=_wgrad_configs(), key=["K", "N", "ACT_A", "ACCUMULATE", "TMA_OK"],
+                 prune_configs_by={"early_config_prune": _prune_wgrad_configs}, restore_value=["out_ptr"])
 @triton.jit
 def _grouped_wgrad_kernel(
     # pointers
     a_ptr,  # [Ma, K] any strides, read through gather_a_ptr (ACT_A 'swiglu': [S, 2K] = [gate | up])
     b_ptr,  # [Mb, N] any strides, read through gather_b_ptr
     out_ptr,  # [E, K, N] any strides (ACCUMULATE: read, added to, written back)
-    out_desc,  # TMA_ADD: host tensor descriptor of out (fp32 [E, K, N], rows contiguous); else None
+    out_desc,  # TMA_OK: host tensor descriptor of out (fp32 [E, K, N], rows contiguous); else None
     scale_ptr,  # fp32 [S]: multiplies b's rows
     a_scale_ptr,  # fp32 [S]: multiplies the recomputed activation (ACT_A only)
     gather_a_ptr, gather_b_ptr,  # int [S]
@@ -462,7 +481,8 @@ def _grouped_wgrad_kernel(
     ACT_A: tl.constexpr,  # "none", or "gelu" / "swiglu": A = a_scale · act(a), a the pre-activation
     HAS_A_SCALE: tl.constexpr, FAST_MATH: tl.constexpr,
     ACCUMULATE: tl.constexpr,  # out += dw (fp32 out: gradient accumulation over micro-batches)
-    TMA_ADD: tl.constexpr,  # ACCUMULATE through the tensor-memory unit's reduce-add (sm_90+, fp32 out)
+    TMA_OK: tl.constexpr,  # out_desc was made (tma_add_ok): the TMA_ADD configs may run
+    TMA_ADD: tl.constexpr,  # (config) ACCUMULATE through the tensor-memory unit's reduce-add
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -750,16 +770,17 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
     meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
                 HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
                 FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), ACCUMULATE=bool(accumulate),
-                TMA_ADD=tma_add, **_dot_args(a_MK.dtype))
+                TMA_OK=tma_add, **_dot_args(a_MK.dtype))
     _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
 
 
 def tma_add_ok(out: torch.Tensor) -> bool:
-    """Whether an accumulating weight gradient adds into ``out`` through TMA: fp32 out where
+    """Whether an accumulating weight gradient may add into ``out`` through TMA: fp32 out where
     Triton has the descriptors' reduce-add and ``_tma_can_describe`` it, unless
-    MEGATRON_MOE_TMA_ADD=0 (A/B switch). Otherwise the kernel loads, adds and stores the fp32
-    tile itself."""
+    MEGATRON_MOE_TMA_ADD=0 (A/B switch). The autotuner then chooses between the reduce-add and
+    the kernel's own load-add-store of the fp32 tile (``_prune_wgrad_configs``); without it the
+    kernel loads, adds and stores."""
     return _HAS_TMA_ADD and out.dtype == torch.float32 and _tma_can_describe(out, "MEGATRON_MOE_TMA_ADD")
 
 

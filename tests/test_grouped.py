@@ -429,6 +429,25 @@ def test_grouped_mlp_gpu_bf16_vs_reference_experts(activation):
         assert rel_err(got.grad, want.grad) < 2e-2, name
 
 
+def test_wgrad_configs_prune_to_what_the_call_can_run(monkeypatch):
+    """The weight-gradient autotuner tries TMA reduce-add configs only where the launcher made the
+    output descriptor; then both kinds, unless MEGATRON_MOE_TMA_ADD=1 or a single config is asked
+    for (MEGATRON_MOE_AUTOTUNE=0): the reduce-add ones only."""
+    configs = [G._wgrad_config(128, 128, 64, 4, st, tma_add=t) for st in (2, 3) for t in (False, True)]
+    kinds = lambda kept: sorted({c.kwargs["TMA_ADD"] for c in kept})  # noqa: E731
+    monkeypatch.delenv("MEGATRON_MOE_TMA_ADD", raising=False)
+    monkeypatch.setenv("MEGATRON_MOE_AUTOTUNE", "1")
+    assert kinds(G._prune_wgrad_configs(configs, {"out_desc": None})) == [False]
+    assert len(G._prune_wgrad_configs(configs, {"out_desc": object()})) == 4
+    monkeypatch.setenv("MEGATRON_MOE_TMA_ADD", "1")
+    assert kinds(G._prune_wgrad_configs(configs, {"out_desc": object()})) == [True]
+    assert kinds(G._prune_wgrad_configs(configs, {"out_desc": None})) == [False]
+    monkeypatch.delenv("MEGATRON_MOE_TMA_ADD")
+    monkeypatch.setenv("MEGATRON_MOE_AUTOTUNE", "0")
+    assert kinds(G._prune_wgrad_configs(configs, {"out_desc": object()})) == [True]
+    assert all(c.kwargs["TMA_ADD"] in (False, True) for c in G._wgrad_configs())
+
+
 @pytest.mark.gpu
 def test_grouped_wgrad_tma_add_equals_load_add_store(monkeypatch):
     """The accumulating weight gradient through TMA's reduce-add and through the kernel's own
@@ -447,8 +466,9 @@ def test_grouped_wgrad_tma_add_equals_load_add_store(monkeypatch):
     d = torch.randn(T, F, generator=gen).to(dev, torch.bfloat16)[r.sorted_token_N.long()]
     start = torch.randn(E, H, F, generator=gen).to(dev)
     outs = {}
-    for flag in ("1", "0"):
+    for flag in ("1", "0"):  # "1": the reduce-add configs only (unset: the autotuner's choice)
         monkeypatch.setenv("MEGATRON_MOE_TMA_ADD", flag)
+        G.clear_tuning_cache()
         out = start.clone()
         assert G.tma_add_ok(out) == (flag == "1")
         for _ in range(2):
