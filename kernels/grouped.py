@@ -758,8 +758,8 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
         return (E * cdiv(K, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"]),)
 
     dummy = offsets_E1
-    tma_add = bool(accumulate) and tma_add_ok(out)
-    out_desc = TensorDescriptor.from_tensor(out, [1, 16, 16]) if tma_add else None  # box: _size_out_desc
+    tma_ok = bool(accumulate) and tma_add_ok(out)
+    out_desc = TensorDescriptor.from_tensor(out, [1, 16, 16]) if tma_ok else None  # box: _size_out_desc
     args = (a_MK, b_MN, out, out_desc, scale_S if scale_S is not None else dummy,
             a_scale_S if a_scale_S is not None else dummy,
             gather_a_S if gather_a_S is not None else dummy, gather_b_S if gather_b_S is not None else dummy,
@@ -770,7 +770,7 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
     meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
                 HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
                 FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), ACCUMULATE=bool(accumulate),
-                TMA_OK=tma_add, **_dot_args(a_MK.dtype))
+                TMA_OK=tma_ok, **_dot_args(a_MK.dtype))
     _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
 
