@@ -9,6 +9,7 @@ Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metric
     expert_load/ep_rank_imbalance, expert_load/layerN/ep_rank_imbalance   (expert parallelism only)
     dropped_fraction, dropped_fraction/layerN      (capacity models only)
     val_loss, val_ppl                              (evaluation steps only)
+    world_size, data_train_tokens, data_epochs     (the first step of each start, resumes included)
 
 Meanings: lm_loss is the mean token loss of the global batch; aux_loss (load balancing) and
 z_loss are summed over the MoE layers, already times their coefficients, averaged over the

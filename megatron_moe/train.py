@@ -425,6 +425,10 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                    if epochs > 1 else ""))
         logger.summary(data_info)
 
+    # logged with the first step of this process: the processes (tools/compare_runs.py divides
+    # tokens_per_s by it) and the data's size
+    first_info = {"world_size": world, **data_info}
+
     ep = mc.moe.expert_parallel_size if mc.moe is not None else 1
     try:
         groups = init_parallel_groups(ep, num_experts=mc.moe.num_experts if mc.moe is not None else None)
@@ -599,9 +603,9 @@ def _train(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, 
                 _finish_profile(prof, run_dir, step, rank)
             losses.append(lm_loss)
             steps.append(step)
-            if data_info:  # once per process (a resumed run logs it again at its first step)
-                m.update(data_info)
-                data_info = {}
+            if first_info:  # once per process (a resumed run logs it again at its first step)
+                m.update(first_info)
+                first_info = {}
             logger.log(m, step)
             bar.update(1)
             bar.set_postfix(loss=f"{lm_loss:.3f}", tok_s=f"{m['tokens_per_s']:,.0f}")

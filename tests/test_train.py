@@ -124,6 +124,7 @@ def test_metrics_jsonl_has_every_key(straight):
         assert "dropped_fraction" not in r  # dropless
         # the data's size and the epochs the run reads, once, with the first step
         assert ("data_train_tokens" in r) == ("data_epochs" in r) == (i == 1)
+        assert r.get("world_size", 1) == 1 and ("world_size" in r) == (i == 1)  # the processes, once
         assert ("val_loss" in r) == (i % EVAL_EVERY == 0)
         if "val_loss" in r:
             assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-6)

@@ -3,7 +3,20 @@
     python tools/compare_runs.py runs/gpt-xs runs/dmoe-xs runs/moe-xs --baseline gpt-xs
     python tools/compare_runs.py runs/* --target-loss 3.5 --plots plots/ --markdown table.md
 
-Each run is a run directory of ``megatron-moe-train`` (metrics.jsonl and config.yaml). Printed
+    python tools/compare_runs.py wandb:ENTITY/PROJECT/groups/repro-xs --baseline gpt-xs
+    python tools/compare_runs.py runs/dmoe-xs https://wandb.ai/ENTITY/PROJECT/runs/RUN_ID
+
+Each run is a run directory of ``megatron-moe-train`` (metrics.jsonl and config.yaml) or a W&B
+run read through W&B's API (needs the network and access: ``wandb login`` or WANDB_API_KEY):
+``wandb:ENTITY/PROJECT/RUN_ID``, ``wandb:ENTITY/PROJECT/groups/GROUP`` (every run of a group,
+e.g. the reproduction's ``repro-xs``), or the run's or group's https URL. W&B runs of
+``megatron-moe-train`` carry the same keys as metrics.jsonl; runs of Megatron-LM's own
+``pretrain_gpt.py`` are read from its keys (``lm loss``, ``lm loss validation``, ``samples vs
+steps``, ``batch-size``, and, with ``--log-timers-to-tensorboard --log-throughput``,
+``iteration-time`` and ``throughput``; it writes W&B where it writes TensorBoard, so it needs
+``--tensorboard-dir`` beside ``--wandb-project``) and its arguments (seq_length,
+global_batch_size, micro_batch_size, world_size).
+Printed
 per run: tokens/s per GPU and TFLOP/s per GPU (medians over the steps after the first 10%,
 which hold compilation and autotuning), MFU, micro-batch, peak memory, the final validation
 loss, the mean dropped-token fraction (capacity models), the wall time to reach the target
@@ -23,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -67,6 +81,129 @@ def load_run(path: str) -> Run:
                steps=ordered, config=cfg)
 
 
+# ---------------------------------------------------------------------------------------------
+# W&B runs
+# ---------------------------------------------------------------------------------------------
+
+# Megatron-LM's W&B keys (training_log, evaluate_and_print_results) -> metrics.jsonl's
+MEGATRON_LM_KEYS = {"lm loss": "lm_loss", "lm loss validation": "val_loss", "iteration-time": "step_time_s",
+                    "throughput": "tflops_per_gpu", "grad-norm": "grad_norm", "learning-rate": "lr",
+                    "samples vs steps": "consumed_samples"}
+
+
+def is_wandb_spec(spec: str) -> bool:
+    return spec.startswith("wandb:") or re.match(r"https?://", spec) is not None
+
+
+def parse_wandb_spec(spec: str) -> tuple[str, str, str | None, str | None]:
+    """(entity, project, run id, group) of ``wandb:ENTITY/PROJECT/RUN_ID``,
+    ``wandb:ENTITY/PROJECT/runs/RUN_ID``, ``wandb:ENTITY/PROJECT/groups/GROUP`` or a W&B URL of a
+    run or a group (https://HOST/ENTITY/PROJECT/runs/RUN_ID[/...], .../groups/GROUP[/...])."""
+    if spec.startswith("wandb:"):
+        path = spec[len("wandb:"):]
+    else:
+        path = re.sub(r"^https?://[^/]+/", "", spec)
+    parts = [p for p in re.split(r"[?#]", path, maxsplit=1)[0].split("/") if p]
+    if len(parts) == 3 and parts[2] not in ("runs", "groups"):
+        return parts[0], parts[1], parts[2], None
+    if len(parts) >= 4 and parts[2] in ("runs", "groups"):
+        return (parts[0], parts[1], parts[3], None) if parts[2] == "runs" else (parts[0], parts[1], None, parts[3])
+    raise ValueError(f"{spec}: not a W&B run or group; expected wandb:ENTITY/PROJECT/RUN_ID, "
+                     f"wandb:ENTITY/PROJECT/groups/GROUP or the run's URL (https://wandb.ai/ENTITY/PROJECT/runs/RUN_ID)")
+
+
+def load_wandb_runs(spec: str, api=None) -> list[Run]:
+    """The W&B run, or every run of the W&B group, that ``spec`` names (parse_wandb_spec);
+    ``api``: a ``wandb.Api()`` (made here when None)."""
+    entity, project, run_id, group = parse_wandb_spec(spec)
+    if api is None:
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError(f"{spec}: reading W&B runs needs the wandb package: pip install wandb") from None
+    try:
+        if api is None:
+            api = wandb.Api(timeout=60)
+        found = ([api.run(f"{entity}/{project}/{run_id}")] if run_id else
+                 list(api.runs(f"{entity}/{project}", filters={"group": group})))
+        runs = [run_from_wandb(r, spec) for r in found]
+    except Exception as e:
+        raise ValueError(f"{spec}: could not read it from W&B ({type(e).__name__}: {e}); check the "
+                         f"entity, project and run id or group, and that `wandb login` or WANDB_API_KEY "
+                         f"gives access (reading W&B needs the network)") from e
+    if not runs:
+        raise ValueError(f"{spec}: the W&B project {entity}/{project} has no runs in group {group!r}")
+    names = [r.name for r in runs]
+    for r, wr in zip(runs, found):  # one group may hold reruns of one config: tell them apart
+        if names.count(r.name) > 1:
+            r.name = f"{r.name} ({wr.id})"
+    return runs
+
+
+def run_from_wandb(wrun, spec: str) -> Run:
+    """A Run from a W&B public-API run: its history by step (later records of a step win, as
+    in load_run), finite numbers only; Megatron-LM's keys translated (_megatron_lm_rows)."""
+    config = dict(wrun.config or {})
+    by_step: dict[int, dict] = {}
+    for h in wrun.scan_history(page_size=10_000):
+        step = h.get("_step")
+        if not isinstance(step, int):
+            continue
+        row = by_step.setdefault(step, {"step": step})
+        for k, v in h.items():
+            if k.startswith("_") or v is None or isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)) and not math.isfinite(v):
+                continue
+            row[k] = v
+    steps = [by_step[k] for k in sorted(by_step)]
+    name = config.get("name") if isinstance(config.get("name"), str) else None
+    if any("lm loss" in m for m in steps) and not any("lm_loss" in m for m in steps):
+        steps, config = _megatron_lm_rows(steps, config)
+    return Run(name=name or wrun.name or wrun.id, path=spec, steps=steps, config=config)
+
+
+def _megatron_lm_rows(rows: list[dict], args: dict) -> tuple[list[dict], dict]:
+    """Megatron-LM's W&B history and arguments in metrics.jsonl's keys and config shape.
+    ``iteration-time`` is logged every --log-interval steps as that interval's mean: every step of
+    the interval gets it (rows are added for steps that logged nothing), so wall time and
+    tokens/s (global batch x sequence / iteration time) count every step."""
+    seq, gbs = args.get("seq_length"), args.get("global_batch_size")
+    config = {"model": {"seq_length": seq},
+              "train": {"micro_batch_size": args.get("micro_batch_size"), "global_batch_size": gbs}}
+    by_step = {m["step"]: {MEGATRON_LM_KEYS.get(k, k): v for k, v in m.items()} for m in rows}
+    prev = 0
+    for step in sorted(by_step):
+        t = by_step[step].get("step_time_s")
+        if not isinstance(t, (int, float)):
+            continue
+        for s in range(prev + 1, step + 1):
+            m = by_step.setdefault(s, {"step": s})
+            m["step_time_s"] = t
+            batch = m.get("batch-size", gbs)
+            if seq and isinstance(batch, (int, float)) and t > 0:
+                m["tokens_per_s"] = batch * seq / t
+        prev = step
+    out = [by_step[k] for k in sorted(by_step)]
+    for m in out:  # "samples vs steps" where logged, else a constant global batch
+        if gbs and not isinstance(m.get("consumed_samples"), (int, float)):
+            m["consumed_samples"] = m["step"] * gbs
+    if out and isinstance(args.get("world_size"), int):
+        out[0]["world_size"] = args["world_size"]
+    return out, config
+
+
+def load_runs(specs: list[str]) -> list[Run]:
+    """Run directories and W&B runs or groups, in the order given."""
+    runs = []
+    for spec in specs:
+        if is_wandb_spec(spec):
+            runs.extend(load_wandb_runs(spec))
+        else:
+            runs.append(load_run(spec))
+    return runs
+
+
 def _tokens_per_sample(run: Run) -> int | None:
     return (run.config.get("model") or {}).get("seq_length")
 
@@ -102,6 +239,18 @@ def tokens_seen(run: Run, m: dict) -> float | None:
     return None
 
 
+def tokens_per_s_per_gpu(run: Run) -> list[float]:
+    """tokens_per_s (the whole job's) over the processes, step by step: ``world_size`` is logged
+    with the first step of each start (a resume may change it); runs without it count as one."""
+    world, out = 1, []
+    for m in run.steps:
+        if isinstance(m.get("world_size"), int) and m["world_size"] > 0:
+            world = m["world_size"]
+        if isinstance(m.get("tokens_per_s"), (int, float)):
+            out.append(m["tokens_per_s"] / world)
+    return out
+
+
 def steady(values: list[float]) -> float | None:
     """Median after dropping the first 10% (at least one value when there are several)."""
     if not values:
@@ -135,12 +284,10 @@ def summarize(runs: list[Run], baseline: str | None, target: float | None) -> tu
         target = max(finals)
     rows = []
     for r in runs:
-        tps = [v for _, v in r.series("tokens_per_s")]
-        world = next((m["world_size"] for m in r.steps if isinstance(m.get("world_size"), int)), 1)
         vc = val_curve(r)
         row = dict(
             run=r.name,
-            tokens_per_s_per_gpu=(steady(tps) / world) if tps else None,
+            tokens_per_s_per_gpu=steady(tokens_per_s_per_gpu(r)),
             tflops_per_gpu=steady([v for _, v in r.series("tflops_per_gpu")]),
             mfu=steady([v for _, v in r.series("mfu")]),
             micro_batch=(r.config.get("train") or {}).get("micro_batch_size"),
@@ -250,15 +397,20 @@ def make_plots(runs: list[Run], rows: list[dict], out_dir: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl), W&B runs or groups "
+                    "(wandb:ENTITY/PROJECT/RUN_ID, wandb:ENTITY/PROJECT/groups/GROUP, or their URLs)")
     ap.add_argument("--baseline", help="run name the speed-ups are relative to (default: the first run)")
     ap.add_argument("--target-loss", type=float, help="validation loss for time-to-target (default: the worst final)")
     ap.add_argument("--plots", help="write PNG plots into this directory")
     ap.add_argument("--markdown", help="write the table as Markdown into this file")
     ap.add_argument("--json", help="write the rows as JSON into this file")
     args = ap.parse_args(argv)
-    runs = [load_run(p) for p in args.runs]
-    rows, target = summarize(runs, args.baseline or runs[0].name, args.target_loss)
+    try:
+        runs = load_runs(args.runs)
+        rows, target = summarize(runs, args.baseline or runs[0].name, args.target_loss)
+    except (OSError, ValueError) as e:
+        print(f"compare_runs: error: {e}", file=sys.stderr)
+        return 2
     table = markdown_table(rows)
     print(table)
     if target is not None:
