@@ -16,8 +16,8 @@ steps``, ``batch-size``, and, with ``--log-timers-to-tensorboard --log-throughpu
 ``iteration-time`` and ``throughput``; it writes W&B where it writes TensorBoard, so it needs
 ``--tensorboard-dir`` beside ``--wandb-project``) and its arguments (seq_length,
 global_batch_size, micro_batch_size, world_size).
-Printed
-per run: tokens/s per GPU and TFLOP/s per GPU (medians over the steps after the first 10%,
+
+Printed per run: tokens/s per GPU and TFLOP/s per GPU (medians over the steps after the first 10%,
 which hold compilation and autotuning), MFU, micro-batch, peak memory, the final validation
 loss, the mean dropped-token fraction (capacity models), the wall time to reach the target
 validation loss (linear interpolation between evaluations; default: the worst final validation
