@@ -29,6 +29,8 @@
 #                ~44 GB); FORCE=1 reruns runs already done
 #   TAG          a variant's name: runs/repro-SIZE-TAG, benchmarks/results/repro-SIZE-TAG, W&B group
 #                repro-SIZE-TAG (e.g. TAG=gb64 with train.global_batch_size=64)
+#   TARGET_LOSS  the table's time-to-target loss: a number, or "baseline" for gpt-SIZE's final
+#                validation loss (the paper's "time to reach dense's loss"); default: the worst final
 #   NO_COMPARE=1 trains only; COMPARE_ONLY=1 only rebuilds the table and plots from RESULTS
 #                (scripts/reproduce_parallel.sh uses both)
 set -euo pipefail
@@ -205,6 +207,7 @@ done
 [[ ${#DIRS[@]} -gt 0 ]] || { echo "reproduce.sh: no finished runs in $RESULTS/runs to compare" >&2; exit 1; }
 COMPARE=("$PY" tools/compare_runs.py "${DIRS[@]}" "${BASE[@]}" --plots "$RESULTS/plots"
          --markdown "$RESULTS/table.md" --json "$RESULTS/table.json")
+[[ -n "${TARGET_LOSS:-}" ]] && COMPARE+=(--target-loss "$TARGET_LOSS")
 if [[ "$DRY_RUN" == 1 ]]; then
     show "${COMPARE[@]}"
 else

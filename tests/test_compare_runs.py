@@ -51,6 +51,25 @@ def test_table_numbers(tmp_path):
     assert moe["micro_batch"] == 4 and moe["final_val_loss"] == 2.5
 
 
+def test_target_loss_baseline_is_the_baselines_final_loss(tmp_path):
+    a = write_run(tmp_path, "dense", step_time=2.0, tokens_per_s=1000.0, val=[4.0, 3.2])
+    b = write_run(tmp_path, "moe", step_time=1.0, tokens_per_s=2000.0, val=[3.5, 2.5])
+    runs = [compare_runs.load_run(str(b)), compare_runs.load_run(str(a))]
+    rows, target = compare_runs.summarize(runs, "dense", "baseline")
+    assert target == 3.2  # dense's final, not the first run's (2.5)
+    moe, dense = rows
+    assert dense["time_to_target_s"] == pytest.approx(20.0)  # its whole run
+    assert moe["time_to_target_s"] == pytest.approx(5.0 + 5.0 * 0.3)  # 3.5 at 5 s, 2.5 at 10 s
+    assert moe["time_to_target_speedup"] == pytest.approx(20.0 / 6.5)
+    rows, target = compare_runs.summarize(runs, "moe", "baseline")
+    assert target == 2.5 and rows[1]["time_to_target_s"] is None  # moe's final, not the worst (3.2)
+    with pytest.raises(ValueError, match="baseline"):
+        compare_runs.summarize(runs, "gpt", "baseline")
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "compare_runs.py"), str(a), "--target-loss", "dense"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "'dense' is invalid: expected a validation loss" in out.stderr
+
+
 def test_cli_writes_table_and_plots(tmp_path):
     a = write_run(tmp_path, "dense", 2.0, 1000.0, [4.0, 3.0], repeat_step=3)
     b = write_run(tmp_path, "moe", 1.0, 2000.0, [3.5, 2.5])
@@ -117,10 +136,12 @@ def test_committed_table_rebuilds(tmp_path, name):
     with open(os.path.join(d, "table.md")) as f:
         rows = [line.split("|")[1].strip() for line in f.read().splitlines()[2:] if line.startswith("|")]
     with open(os.path.join(d, "compare.txt")) as f:
-        baseline = next(line.split("baseline: ")[1].strip() for line in f if "baseline: " in line)
+        line = next(line for line in f if "baseline: " in line)
+    baseline = line.split("baseline: ")[1].strip()
+    target = ["--target-loss", "baseline"] if "(the baseline's final)" in line else []
     out = tmp_path / "table.md"
     assert compare_runs.main([os.path.join(d, "runs", r) for r in rows]
-                             + ["--baseline", baseline, "--markdown", str(out)]) == 0
+                             + ["--baseline", baseline, "--markdown", str(out)] + target) == 0
     with open(os.path.join(d, "table.md")) as f:
         assert out.read_text() == f.read()
 

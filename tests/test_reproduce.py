@@ -176,7 +176,7 @@ def test_real_trial_failure_stops_with_the_programs_error(tmp_path):
 def _dry(size="xs", *args, **env) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("MICRO_BATCH_")
          and k not in ("TOKENS", "RUNS", "NPROC", "EP", "RUNS_DIR", "RESULTS", "WARMUP",
-                       "EVAL_INTERVAL", "EVAL_ITERS")}
+                       "EVAL_INTERVAL", "EVAL_ITERS", "TARGET_LOSS")}
     e.update(DRY_RUN="1", PYTHON=sys.executable, **env)
     return subprocess.run(["bash", str(REPO / "scripts" / "reproduce.sh"), size, *args], cwd=REPO,
                           env=e, capture_output=True, text=True, timeout=60)
@@ -222,6 +222,9 @@ def test_dry_run_lists_the_five_runs_with_one_budget(tmp_path):
         [f"benchmarks/results/repro-xs/runs/{n}" for n in names]
     for flag, value in (("--plots", "plots"), ("--markdown", "table.md"), ("--json", "table.json")):
         assert c[c.index(flag) + 1] == f"benchmarks/results/repro-xs/{value}"
+    assert "--target-loss" not in c  # the default: the worst final validation loss
+    c = next(c for c in _commands(_dry("xs", TARGET_LOSS="baseline").stdout) if "tools/compare_runs.py" in c)
+    assert c[c.index("--target-loss") + 1] == "baseline"
     # a dry run writes nothing
     proc = _dry("xs", RUNS_DIR=str(tmp_path / "runs"), RESULTS=str(tmp_path / "results"))
     assert proc.returncode == 0 and list(tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 
     python tools/compare_runs.py runs/gpt-xs runs/dmoe-xs runs/moe-xs --baseline gpt-xs
     python tools/compare_runs.py runs/* --target-loss 3.5 --plots plots/ --markdown table.md
+    python tools/compare_runs.py runs/gpt-xs runs/dmoe-xs --baseline gpt-xs --target-loss baseline
 
     python tools/compare_runs.py wandb:ENTITY/PROJECT/groups/repro-xs --baseline gpt-xs
     python tools/compare_runs.py runs/dmoe-xs https://wandb.ai/ENTITY/PROJECT/runs/RUN_ID
@@ -21,7 +22,8 @@ Printed per run: tokens/s per GPU and TFLOP/s per GPU (medians over the steps af
 which hold compilation and autotuning), MFU, micro-batch, peak memory, the final validation
 loss, the mean dropped-token fraction (capacity models), the wall time to reach the target
 validation loss (linear interpolation between evaluations; default: the worst final validation
-loss among the runs, so every run reaches it) and the speed-ups against the baseline run
+loss among the runs, so every run reaches it; ``--target-loss baseline``: the baseline's final
+one, the paper's time to reach the dense model's loss) and the speed-ups against the baseline run
 (throughput ratio, and time-to-target ratio). Wall time is the sum of the step times with the
 first step counted as a median step: its compilation and Triton autotuning are a one-off
 start-up (printed as "start-up (s)") that a few-minute run would otherwise count in full and a
@@ -278,9 +280,18 @@ def time_to_loss(run: Run, target: float) -> float | None:
     return None
 
 
-def summarize(runs: list[Run], baseline: str | None, target: float | None) -> tuple[list[dict], float | None]:
+def summarize(runs: list[Run], baseline: str | None,
+              target: float | str | None) -> tuple[list[dict], float | None]:
+    """Rows of the table; ``target`` is a validation loss, None (the worst final one) or
+    ``"baseline"`` (the baseline run's final one: the paper's "time to dense's loss")."""
     finals = [val_curve(r)[-1][2] for r in runs if val_curve(r)]
-    if target is None and finals:
+    if target == "baseline":
+        base_run = next((r for r in runs if r.name == baseline), None)
+        if base_run is None or not val_curve(base_run):
+            raise ValueError(f"--target-loss baseline needs the baseline run's final validation loss: "
+                             f"{baseline!r} is {'not one of the runs' if base_run is None else 'without val_loss'}")
+        target = val_curve(base_run)[-1][2]
+    elif target is None and finals:
         target = max(finals)
     rows = []
     for r in runs:
@@ -395,12 +406,25 @@ def make_plots(runs: list[Run], rows: list[dict], out_dir: str) -> list[str]:
     return written
 
 
+def target_loss_arg(text: str) -> float | str:
+    """--target-loss: a number, or 'baseline'."""
+    if text == "baseline":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a validation loss (e.g. 3.5) "
+                                         "or 'baseline'") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl), W&B runs or groups "
                     "(wandb:ENTITY/PROJECT/RUN_ID, wandb:ENTITY/PROJECT/groups/GROUP, or their URLs)")
     ap.add_argument("--baseline", help="run name the speed-ups are relative to (default: the first run)")
-    ap.add_argument("--target-loss", type=float, help="validation loss for time-to-target (default: the worst final)")
+    ap.add_argument("--target-loss", type=target_loss_arg,
+                    help="validation loss for time-to-target, or 'baseline' for the baseline run's final one "
+                         "(default: the worst final)")
     ap.add_argument("--plots", help="write PNG plots into this directory")
     ap.add_argument("--markdown", help="write the table as Markdown into this file")
     ap.add_argument("--json", help="write the rows as JSON into this file")
@@ -414,7 +438,8 @@ def main(argv=None) -> int:
     table = markdown_table(rows)
     print(table)
     if target is not None:
-        print(f"\ntarget validation loss: {target:.3f}; baseline: {args.baseline or runs[0].name}")
+        how = " (the baseline's final)" if args.target_loss == "baseline" else ""
+        print(f"\ntarget validation loss: {target:.3f}{how}; baseline: {args.baseline or runs[0].name}")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
