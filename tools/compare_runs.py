@@ -284,12 +284,14 @@ def summarize(runs: list[Run], baseline: str | None,
               target: float | str | None) -> tuple[list[dict], float | None]:
     """Rows of the table; ``target`` is a validation loss, None (the worst final one) or
     ``"baseline"`` (the baseline run's final one: the paper's "time to dense's loss")."""
+    base_run = next((r for r in runs if r.name == baseline), None)
+    if baseline and base_run is None:
+        raise ValueError(f"--baseline {baseline!r} is not one of the runs: {[r.name for r in runs]}")
     finals = [val_curve(r)[-1][2] for r in runs if val_curve(r)]
     if target == "baseline":
-        base_run = next((r for r in runs if r.name == baseline), None)
         if base_run is None or not val_curve(base_run):
             raise ValueError(f"--target-loss baseline needs the baseline run's final validation loss: "
-                             f"{baseline!r} is {'not one of the runs' if base_run is None else 'without val_loss'}")
+                             f"{baseline!r} has none")
         target = val_curve(base_run)[-1][2]
     elif target is None and finals:
         target = max(finals)
@@ -313,8 +315,6 @@ def summarize(runs: list[Run], baseline: str | None,
         )
         rows.append(row)
     base = next((row for row in rows if row["run"] == baseline), None)
-    if baseline and base is None:
-        raise ValueError(f"--baseline {baseline!r} is not one of the runs: {[r['run'] for r in rows]}")
     for row in rows:
         row["throughput_speedup"] = (row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
                                      if base and row["tokens_per_s_per_gpu"] and base["tokens_per_s_per_gpu"] else None)
