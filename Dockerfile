@@ -2,7 +2,7 @@
 #
 #   docker build -t megatron-moe .
 #   docker run --gpus all --ipc=host --rm -v $PWD/runs:/workspace/megatron-moe/runs megatron-moe \
-#       scripts/pretrain.sh configs/dmoe-xs.yaml
+#       scripts/pretrain.sh dmoe-xs
 #   docker run --rm megatron-moe megatron-moe-train            # tiny-cpu, no GPU needed
 #
 # The devel image brings the C compiler Triton needs to build its kernel launchers at run time.
@@ -17,9 +17,11 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /workspace/megatron-moe
 COPY . .
-# setup.py is the one list of dependencies; torch and triton come with the base image and are
-# kept (it asks for torch>=2.6, triton>=3.3); megatron-core 0.16.1 and the rest from PyPI.
-RUN python -m pip install -e ".[test]" \
- && python -c "import megatron_moe.train, megatron.core; print('megatron-moe ok')"
+# The package with the training program, W&B and plots, at constraints.txt's versions; torch and
+# triton stay the base image's (setup.py asks for torch>=2.6, triton>=3.3).
+RUN grep -vE '^(torch|triton)==' constraints.txt > /tmp/constraints.txt \
+ && python -m pip install -c /tmp/constraints.txt ".[train,wandb,plots]" \
+ && python -c "import megatron_moe.training.train, megatron.core; print('megatron-moe ok')"
+
 
 CMD ["megatron-moe-train", "--help"]

@@ -1,28 +1,54 @@
-"""megatron-moe: dropless Mixture-of-Experts for megatron-core (MegaBlocks, rebuilt in Triton)."""
+"""megatron-moe: dropless Mixture-of-Experts for Megatron (MegaBlocks' idea, rebuilt in Triton).
+
+    pip install .                      # the layer: torch + triton
+    pip install ".[train]"             # + the Megatron integration and the training program
+    pip install ".[train,wandb,plots]" # + Weights & Biases logging and run-comparison plots
+    pip install -c constraints.txt -e ".[train,test]"   # development (CI's versions)
+"""
 from setuptools import setup
+
+MEGATRON = ["megatron-core>=0.15.0,<0.17"]  # tested: 0.15.3, 0.16.0, 0.16.1 (tests/megatron)
+TRAIN = MEGATRON + ["numpy", "pyyaml", "sentencepiece", "tqdm"]
 
 setup(
     name="megatron-moe",
-    version="0.1.0",
-    description="Dropless MoE (block-sparse and grouped Triton kernels) for megatron-core GPT models",
-    python_requires=">=3.10",
-    packages=["megatron_moe", "megatron_moe.ops", "megatron_moe.kernels"],
-    package_dir={"megatron_moe": "megatron_moe", "megatron_moe.kernels": "kernels"},
-    install_requires=[
-        "torch>=2.6",
-        "triton>=3.3",
-        "megatron-core==0.16.1",
-        "numpy",
-        "pyyaml",
-        "sentencepiece",
-        "tqdm",
-        "wandb",
+    version="0.2.0",
+    description="Dropless Mixture-of-Experts for megatron-core GPT models: block-sparse and grouped "
+                "Triton kernels, expert parallelism, a Megatron layer spec and a pretraining program",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    extras_require={"test": ["pytest", "matplotlib"]},
+    python_requires=">=3.10",
+    packages=[
+        "megatron_moe", "megatron_moe.ops", "megatron_moe.kernels",
+        "megatron_moe.megatron",
+        "megatron_moe.training", "megatron_moe.training.data",
+        "megatron_moe.tools", "megatron_moe.configs",
+    ],
+    # kernels/, tools/ and configs/ sit at the top of the repository and install inside the package
+    package_dir={"megatron_moe.kernels": "kernels", "megatron_moe.tools": "tools",
+                 "megatron_moe.configs": "configs"},
+    package_data={"megatron_moe.configs": ["*.yaml"]},
+    install_requires=["torch>=2.6", "triton>=3.3"],
+    extras_require={
+        "megatron": MEGATRON,
+        "train": TRAIN,
+        "wandb": ["wandb"],
+        "plots": ["matplotlib"],
+        "test": ["pytest", "pytest-timeout", "matplotlib"],
+    },
     entry_points={
         "console_scripts": [
-            "megatron-moe-train=megatron_moe.train:main",
-            "megatron-moe-prepare-data=megatron_moe.data_prep:main",
+            "megatron-moe-train=megatron_moe.training.train:main",
+            "megatron-moe-prepare-data=megatron_moe.training.data.prepare_cli:main",
+            "megatron-moe-compare-runs=megatron_moe.tools.compare_runs:main",
+            "megatron-moe-find-micro-batch=megatron_moe.tools.find_micro_batch:main",
         ]
     },
 )

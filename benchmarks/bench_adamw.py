@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe.kernels.adamw import adamw_step_, hyperparameters  # noqa: E402
-from megatron_moe.optim import AdamW  # noqa: E402
+from megatron_moe.training.optimizer import AdamW  # noqa: E402
 
 
 def dmoe_small_shapes(layers: int, hidden=768, ffn=3072, experts=64, vocab=51200, seq=1024):

@@ -1,13 +1,13 @@
 # Sourced by the device scripts (device_run.sh, multi_gpu.sh, train_ab.sh) from the repository
 # root: the environment a lent GPU machine needs, and helpers they share.
 # The machine has torch/triton/sentencepiece but no registry: megatron-core travels as a wheel in
-# .whl/, and the project is not pip-installed, so kernels/ is mapped to megatron_moe.kernels by hand.
+# .whl/, and the project is not pip-installed, so kernels/ and tools/ are mapped into megatron_moe by hand.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-[[ -e megatron_moe/kernels ]] || ln -sfn ../kernels megatron_moe/kernels
+for d in kernels tools; do [[ -e megatron_moe/$d ]] || ln -sfn ../$d megatron_moe/$d; done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 write_env() {  # FILE: the GPUs, torch / Triton / CUDA versions and the UTC date

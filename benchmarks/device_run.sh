@@ -35,7 +35,7 @@ fi
 if [[ $stages == *" train "* ]]; then
   # short bf16 runs (global batch 64 x 1024 tokens); checkpoints stay on the machine
   for cfg in ${TRAIN_CONFIGS:-gpt-xs dmoe-xs}; do
-    python3 -m megatron_moe.train --config configs/$cfg.yaml logging.wandb=false logging.runs_dir=/tmp/runs \
+    python3 -m megatron_moe.training --config configs/$cfg.yaml logging.wandb=false logging.runs_dir=/tmp/runs \
       train.global_batch_size=64 train.train_iters=300 train.eval_interval=100 train.eval_iters=2 \
       train.save_interval=1000000 train.log_interval=20 ${TRAIN_OVERRIDES:-} 2>&1 | tee "$OUT/train_$cfg.log" | tail -n 4
     cp /tmp/runs/$cfg/metrics.jsonl "$OUT/metrics_$cfg.jsonl" 2>/dev/null

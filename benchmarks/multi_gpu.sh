@@ -39,7 +39,7 @@ WAVE_7=${WAVE_7:-"dmoe-small-ep2:dmoe-small:0,1:2 gpt-small-dp2:gpt-small:2,3:0 
 write_env "$OUT/env.txt"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 # the default corpus and tokenizer once, before runs start side by side
-python3 -m megatron_moe.data_prep --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
+python3 -m megatron_moe.training.data.prepare_cli --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
 
 run_one() {  # name config gpus ep [overrides]
   local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb extra
@@ -49,7 +49,7 @@ run_one() {  # name config gpus ep [overrides]
   local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
-    -m megatron_moe.train --config "configs/$cfg.yaml" name="$name" logging.wandb=false \
+    -m megatron_moe.training --config "configs/$cfg.yaml" name="$name" logging.wandb=false \
     logging.runs_dir=/tmp/mg "${extra[@]}" \
     train.micro_batch_size="$mb" train.global_batch_size=$((mb * ACC * n)) train.train_iters="$STEPS" \
     train.lr_warmup_iters=$((STEPS / 4)) train.eval_interval=0 train.save_interval=0 train.save_final=false \

@@ -25,7 +25,7 @@ for spec in ${RUNS:?RUNS is empty}; do
     if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o"); else cfg_over+=("$o"); fi
   done
   extra=("${cfg_over[@]}")
-  env "${envs[@]}" MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.train \
+  env "${envs[@]}" MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.training \
     --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
     train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \
     train.lr_warmup_iters=2 train.eval_interval=0 train.save_interval=0 train.save_final=false \

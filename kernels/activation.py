@@ -22,6 +22,16 @@ from ._common import cdiv, interpret_mode, use_triton
 from .grouped import _gelu_and_grad, _sigmoid
 
 ACTIVATIONS = ("gelu", "swiglu")
+"""The activations every path supports; the one list (MoEConfig and the model config use it)."""
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """GELU (tanh approximation) or SwiGLU (silu(gate) * up, gate = first half of the columns),
+    in plain PyTorch: the references and the CPU paths use it."""
+    if activation == "gelu":
+        return F.gelu(h, approximate="tanh")
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 # ----------------------------------------------------------------------------------------------

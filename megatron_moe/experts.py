@@ -14,20 +14,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import AUTO_GROUPED_MM_MIN_WIDTH, MoEConfig
+from .kernels.activation import activate
+from .kernels.metadata import routing_metadata
+from .ops.blocksparse_mlp import blocksparse_mlp
+from .ops.torch_grouped_mm_mlp import torch_grouped_mm_mlp
+from .ops.triton_grouped_mlp import triton_grouped_mlp
 
 
 def resolve_mlp_impl(cfg: MoEConfig, dtype, device_type: str) -> str:
     """The expert compute path that runs: ``cfg.mlp_impl`` itself unless it is 'auto'.
 
-    'auto' follows the layer benchmark (benchmarks/bench_layer.py, README, 2026-11-22/23):
-    torch._grouped_mm ('grouped_mm') when both hidden and ffn sizes are at least
-    AUTO_GROUPED_MM_MIN_WIDTH (mixtral-ish, 4096 x 14336: 0.89-0.90 of a dense MLP on an H100 and
-    an H200 against 0.64-0.68 for 'grouped'), our fused Triton kernels ('grouped') below it: at
-    paper-moe-m (1024 x 4096) and fine-64e-top8 (2048 x 1024) the two are within ~10% (grouped_mm
-    ahead on the H200, host-bound on one H100), and 'grouped' adds the weight gradient into the
-    fp32 master gradient in its kernel during training, which grouped_mm cannot. grouped_mm only
-    where it runs and fits the options: bfloat16 on CUDA, sizes multiples of 8, exact all-to-all
-    splits, no recompute_activation.
+    'auto' follows the layer benchmark (docs/results.md): 'torch_grouped_mm' when both hidden
+    and ffn are at least AUTO_GROUPED_MM_MIN_WIDTH (a few wide experts, where the vendor's
+    grouped GEMM is ahead), our 'triton_grouped' kernels below it (small and fine-grained
+    experts, where the two are close and ours also fuses training's gradient accumulation into
+    the fp32 master gradient). 'torch_grouped_mm' only where it runs and fits the options:
+    bfloat16 on CUDA, sizes multiples of 8, exact all-to-all splits, no recompute_activation.
     """
     if cfg.mlp_impl != "auto":
         return cfg.mlp_impl
@@ -35,16 +37,8 @@ def resolve_mlp_impl(cfg: MoEConfig, dtype, device_type: str) -> str:
     wide = min(H, F_) >= AUTO_GROUPED_MM_MIN_WIDTH and H % 8 == 0 and F_ % 8 == 0
     runs = device_type != "cuda" or dtype == torch.bfloat16
     if wide and runs and cfg.a2a_splits == "host" and not cfg.recompute_activation:
-        return "grouped_mm"
-    return "grouped"
-
-
-def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """GELU (tanh approximation) or SwiGLU (silu(gate) * up, gate = first half of the columns)."""
-    if activation == "gelu":
-        return F.gelu(h, approximate="tanh")
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return "torch_grouped_mm"
+    return "triton_grouped"
 
 
 def reference_experts(x_TH, w1_EHF, w2_EFH, expert_ids_TK, weights_TK, activation):
@@ -117,8 +111,8 @@ class Experts(nn.Module):
 
         ``capacity`` (capacity impl only) overrides ``cfg.capacity(len(x_TH))``: under expert
         parallelism the rows here come from the whole group, and the group's token count sets it.
-        ``skip_padding``: ids equal to the number of local experts mark padding rows (grouped and
-        reference only); nothing is computed for them and their output rows are undefined.
+        ``skip_padding``: ids equal to the number of local experts mark padding rows (triton_grouped
+        and reference only); nothing is computed for them and their output rows are undefined.
         """
         cfg = self.cfg
         w1 = self.w1 if w1 is None else w1
@@ -130,11 +124,9 @@ class Experts(nn.Module):
             if capacity is None:
                 capacity = cfg.capacity(x_TH.shape[0])
             return capacity_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation, capacity)
-        from megatron_moe.kernels.metadata import routing_metadata
-
         E = w1.shape[0]
-        if skip_padding and impl != "grouped":
-            raise ValueError(f"padding rows (a2a_splits='padded') need mlp_impl grouped or reference, "
+        if skip_padding and impl != "triton_grouped":
+            raise ValueError(f"padding rows (a2a_splits='padded') need mlp_impl triton_grouped or reference, "
                              f"not {impl!r}")
         if skip_padding:  # padding sorts last, into an extra bin that no expert reads
             routing = routing_metadata(expert_ids_TK, E + 1, cfg.block_size)
@@ -143,17 +135,11 @@ class Experts(nn.Module):
                                           expert_offsets_E1=routing.expert_offsets_E1[:E + 1])
         else:
             routing = routing_metadata(expert_ids_TK, E, cfg.block_size)
-        if impl == "grouped":
-            from .ops.grouped_mlp import grouped_mlp
-
-            return grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation,
-                               recompute_activation=cfg.recompute_activation), None
-        if impl == "grouped_mm":
-            from .ops.grouped_mm_mlp import grouped_mm_mlp
-
-            return grouped_mm_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
-        from .ops.blocksparse_mlp import blocksparse_mlp
-
+        if impl == "triton_grouped":
+            return triton_grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation,
+                                      recompute_activation=cfg.recompute_activation), None
+        if impl == "torch_grouped_mm":
+            return torch_grouped_mm_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
         return blocksparse_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
 
 

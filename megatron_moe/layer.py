@@ -90,7 +90,7 @@ class DroplessMoE(nn.Module):
         else:
             dtype = x.dtype
         impl = resolve_mlp_impl(self.cfg, dtype, dev)
-        if impl in ("grouped", "blocksparse") and dtype not in KERNEL_DTYPES:
+        if impl in ("triton_grouped", "blocksparse") and dtype not in KERNEL_DTYPES:
             raise ValueError(f"DroplessMoE input x has dtype {dtype}: mlp_impl={impl!r} "
                              "runs float32, bfloat16 or float16; cast the input, or use "
                              "mlp_impl='reference' for other dtypes")

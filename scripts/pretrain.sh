@@ -29,4 +29,4 @@ if [[ -z "${OMP_NUM_THREADS:-}" && "$NPROC" -gt 1 ]]; then
 fi
 
 exec torchrun --standalone --nnodes=1 --nproc-per-node="$NPROC" \
-    -m megatron_moe.train --config "$CONFIG" "$@"
+    -m megatron_moe.training --config "$CONFIG" "$@"

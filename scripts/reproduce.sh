@@ -16,7 +16,7 @@
 #                minutes per run on one H100); steps = TOKENS / (global batch x seq length)
 #   WARMUP       warm-up steps (default steps/10); the LR decays (cosine) to the end
 #   EVAL_INTERVAL / EVAL_ITERS   evaluate every N steps (default steps/6) on M global batches (2)
-#   NPROC        GPUs (default 1: python -m megatron_moe.train; >1: scripts/pretrain.sh)
+#   NPROC        GPUs (default 1: python -m megatron_moe.training; >1: scripts/pretrain.sh)
 #   EP           model.moe.expert_parallel_size for the MoE runs (default: unset)
 #   MICRO_BATCH_<NAME>   micro-batch for run NAME, upper-cased, '-'/'.' -> '_' (e.g.
 #                MICRO_BATCH_MOE_XS_CF1_5); else the search's saved answer, else a search
@@ -88,7 +88,7 @@ fi
 # Steps from the token budget; the three configs must agree on tokens per step.
 read -r STEPS TOKENS_PER_STEP < <("$PY" - "$SIZE" "$TOKENS" "$@" <<'EOF'
 import sys
-from megatron_moe.run_config import ConfigError, load_config
+from megatron_moe.training.run_config import ConfigError, load_config
 size, tokens, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 per = set()
 for kind in ("gpt", "dmoe", "moe"):
@@ -174,7 +174,7 @@ for r in "${SELECTED[@]}"; do
     if [[ "$NPROC" -gt 1 ]]; then
         TRAIN=(bash scripts/pretrain.sh "$CFG")
     else
-        TRAIN=("$PY" -m megatron_moe.train --config "$CFG")
+        TRAIN=("$PY" -m megatron_moe.training --config "$CFG")
     fi
     TRAIN+=("name=$NAME" "train.micro_batch_size=$MB" "${OVR[@]}")
     if [[ "$DRY_RUN" == 1 ]]; then

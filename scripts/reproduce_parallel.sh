@@ -37,7 +37,7 @@ for g in "${GPU_IDS[@]}"; do
 done
 # the config's corpus and tokenizer once, before runs start side by side (with data.* overrides
 # each run builds its own: the cache is renamed into place complete, so that is only slower)
-[[ "${DRY_RUN:-0}" == 1 ]] || "${PYTHON:-python}" -m megatron_moe.data_prep --config "configs/gpt-${SPECS[0]%%:*}.yaml" >/dev/null
+[[ "${DRY_RUN:-0}" == 1 ]] || "${PYTHON:-python}" -m megatron_moe.training.data.prepare_cli --config "configs/gpt-${SPECS[0]%%:*}.yaml" >/dev/null
 
 LOG_DIR="${TMPDIR:-/tmp}"  # each run's console output: $LOG_DIR/reproduce-SIZE-RUN.out
 tokens_for() { local v="TOKENS_${1^^}"; echo "${!v:-${TOKENS:-}}"; }

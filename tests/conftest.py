@@ -1,17 +1,23 @@
 """Test set-up: Triton kernels run under the interpreter when there is no GPU.
 
+The folders mirror the package's tiers: kernels/, layer/, megatron/, training/, tools/ (plus
+test_imports.py, which checks that imports only point down the tiers).
+
 TRITON_INTERPRET must be set before any kernel module is imported, hence here.
 Markers: ``gpu`` (needs CUDA, skipped in CPU CI), ``slow`` (long CPU tests).
 """
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/_util.py for every tier's tests
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sysconfig  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 

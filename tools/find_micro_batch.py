@@ -16,11 +16,11 @@ config's ``train.micro_batch_size``, rounded down to a candidate) and gallops:
 It assumes memory grows with the micro-batch (a size that fits means every smaller one fits),
 so it needs |log2(answer / start)| + 2 trials at most. Each trial runs, in a subprocess::
 
-    python -m megatron_moe.train --config CFG [overrides] train.micro_batch_size=M \\
+    python -m megatron_moe.training --config CFG [overrides] train.micro_batch_size=M \\
         train.exit_interval=2 train.eval_interval=0 train.save_interval=0 train.log_interval=1 \\
         logging.wandb=false logging.runs_dir=SCRATCH name=mbs-probe-M
 
-(``torchrun --standalone --nproc-per-node N -m megatron_moe.train ...`` with ``--nproc N``).
+(``torchrun --standalone --nproc-per-node N -m megatron_moe.training ...`` with ``--nproc N``).
 Two optimizer steps cover the steady-state peak: the AdamW state exists from the first step
 on. The trial is stopped as soon as step 2 is in the scratch run's metrics.jsonl, so the
 checkpoint that ``exit_interval`` would write (about 44 GB for dmoe-small) is not waited
@@ -199,7 +199,7 @@ def trial_command(config: str, overrides: list[str], micro: int, runs_dir: str, 
                 f"--nproc-per-node={nproc}"]
     else:
         head = [sys.executable]
-    return head + ["-m", "megatron_moe.train", "--config", config, *overrides,
+    return head + ["-m", "megatron_moe.training", "--config", config, *overrides,
                    f"train.micro_batch_size={micro}", "train.exit_interval=2", "train.eval_interval=0",
                    "train.save_interval=0", "train.log_interval=1", "logging.wandb=false",
                    f"logging.runs_dir={runs_dir}", f"name=mbs-probe-{micro}"]
@@ -260,11 +260,11 @@ def make_subprocess_runner(config: str, overrides: list[str], nproc: int = 1, ti
 
 
 def _load(config: str, overrides: list[str]):
-    from megatron_moe.run_config import ConfigError, load_config
-    from megatron_moe.train import _find_config
+    from megatron_moe.megatron.yaml_config import find_config
+    from megatron_moe.training.run_config import ConfigError, load_config
 
     try:
-        path = _find_config(config)
+        path = find_config(config).resolve()
         return str(path), load_config(path, overrides)
     except ConfigError as e:
         raise SystemExit(f"find_micro_batch.py: config error: {str(e).replace('--config ', 'config ', 1)}")

@@ -4,11 +4,11 @@
     python tools/prepare_data.py --input pile/00.jsonl --vocab-size 50000 --output-prefix data/pile00
     python tools/prepare_data.py --help
 
-All options and more commands: megatron_moe/data_prep.py.
+All options and more commands: megatron_moe/training/data/prepare_cli.py.
 """
 import sys
 
-from megatron_moe.data_prep import main
+from megatron_moe.training.data.prepare_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,43 @@
+"""The Megatron integration: our dropless MoE as the MLP of megatron-core's GPT, through a
+layer spec (no fork of Megatron).
+
+    from megatron_moe.megatron import init_megatron, build_gpt_model, moe_layers, moe_layer_spec
+    # Megatron-LM: pretrain_gpt.py --spec megatron_moe.megatron.spec layer_spec ...
+
+- spec.py: ``moe_layer_spec`` / ``layer_spec`` (megatron-core's local GPT layer with SDPA
+  attention and :class:`DenseOrMoEMLP`), the aux-loss gradient, the Megatron-LM environment.
+- model.py: ``init_megatron``, ``build_gpt_model`` (a GPTModel with our fused LM loss),
+  ``moe_layers``.
+- attention.py: ``SDPAttention`` (torch's scaled_dot_product_attention; flash attention on GPUs
+  without Transformer Engine).
+- model_config.py: ``ModelConfig``, the ``model:`` section of a config (``model.moe`` derives
+  from :class:`megatron_moe.MoEConfig`); yaml_config.py: config files, ``base:`` and overrides.
+
+Needs megatron-core (``pip install "megatron-moe[megatron]"``); Transformer Engine and Apex are
+not used.
+"""
+import importlib
+import warnings
+
+# megatron-core announces at import that Transformer Engine and Apex are absent: this
+# integration uses neither, by design, so those notices are not shown.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine and Apex|Apex is not installed"
+                                          r"|full scope is deprecated).*")
+
+# Attributes load their module on first use, so reading a config (model_config, yaml_config)
+# does not import megatron-core.
+_EXPORTS = {
+    "SDPAttention": "attention",
+    "build_gpt_model": "model", "init_megatron": "model", "layer_mlps": "model", "moe_layers": "model",
+    "transformer_config": "model",
+    "ModelConfig": "model_config", "MoESection": "model_config",
+    "DenseOrMoEMLP": "spec", "get_aux_loss_scale": "spec", "layer_spec": "spec",
+    "model_config_from_env": "spec", "moe_layer_spec": "spec", "set_aux_loss_scale": "spec",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,146 @@
+"""Dropless expert MLP as two grouped GEMMs with the gather/scatter fused (no permuted copies).
+
+    y_TH = triton_grouped_mlp(x_TH, w1_EHF, w2_EFH, weights_TK, routing, "swiglu")
+
+Forward (s = sorted position, a(s) = t*K + k its assignment, t(s) its token, e its expert):
+  1. pre_NF, wact_NF = grouped_gemm(x[t(s)] @ w1[e])         gather fused, activation in the
+                       epilogue, written times the router weight: wact = weight(s)·act(pre)
+  2. y_NH[a(s)]  = wact[s] @ w2[e]                             scatter into assignment order
+  3. y_TH = y_NH (K = 1) or y_NH.view(T, K, H).sum(1)        deterministic, no atomics
+Backward (saves x, w1, w2, pre_NF, wact_NF, the sorted router weights and the routing indices:
+pre and wact are what an unfused MLP saves too, h and act(h); with recompute_activation only
+pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is freed at its last use
+(wact after step 5, pre/dpre after step 7), so the backward's peak holds one of them:
+  4. g = dy[t(s)] @ w2[e]ᵀ fused with the activation backward: dpre = weight·g·act'(pre) written
+     over pre_NF (its last use), d weight(s) = Σ_f g·act(pre)     (one kernel, grouped_gemm_dact)
+  5. dw2[e] = Σ_s wact[s]ᵀ · dy[t(s)]                          (grouped_wgrad, gather on b; or wact
+                       recomputed from pre in its prologue, rounded as the forward rounded it)
+  6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
+  7. dx_NH[a(s)] = dpre[s] @ w1[e]ᵀ, then the sum over K        (grouped_gemm, scatter)
+With bf16 compute copies of fp32 weights (training.precision.BF16Params with gradient-accumulation
+fusion), steps 5 and 6 add their fp32 results straight into the masters' .grad in the kernels'
+epilogues and the Function returns no gradient for w1 and w2 (master_grad.fp32_grad_of).
+Step 4 overwrites a saved tensor, so the backward runs once per forward (retain_graph=True
+followed by a second backward raises a clear error). On the CPU without the Triton interpreter
+the same Function runs the plain-PyTorch references.
+
+Legend: T tokens, K top_k, N = T*K assignments (in sorted order unless the name says otherwise),
+H hidden, F ffn (w1 and pre hold 2F columns for swiglu: gate half first), E experts.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_moe.kernels.activation import ACTIVATIONS
+from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
+from megatron_moe.kernels.metadata import Routing
+from .master_grad import fp32_grad_of
+
+
+
+def _weight_grad(sink, dtype, a_MK, b_MN, offsets_E1, **kw):
+    """grouped_wgrad for one weight: a new tensor in its dtype, or, when the weight is a bf16
+    compute copy with a master gradient (``sink``, master_grad.MasterGrad), None after adding it in
+    fp32 into that gradient."""
+    if sink is None:
+        return grouped_wgrad(a_MK, b_MN, offsets_E1, out_dtype=dtype, **kw)
+    out, accumulate = sink.buffer()
+    grouped_wgrad(a_MK, b_MN, offsets_E1, out=out, accumulate=accumulate, **kw)
+    sink.done()
+    return None
+
+
+def release(t: torch.Tensor) -> None:
+    """Free the memory of a tensor saved for the backward at its last use there. The autograd node
+    holds on to its saved tensors until the whole backward of the node returns; emptying the
+    storage gives the memory back now (internal intermediates only, never a caller's tensor)."""
+    t.untyped_storage().resize_(0)
+
+
+class TritonGroupedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, token_N, offsets_E1, top_k, activation,
+                recompute_activation):
+        T, H = x_TH.shape
+        N = T * top_k
+        weight_N = weights_TK.reshape(-1)[sort_order_N.long()].float()  # router weight per sorted position
+        pre_NF, wact_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation,
+                                       act_scale_S=weight_N)
+        y_NH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
+        y_TH = y_NH if top_k == 1 else y_NH.view(T, top_k, H).sum(1)
+        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, None if recompute_activation else wact_NF, weight_N,
+                              sort_order_N, token_N, offsets_E1)
+        ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
+        ctx.num_assignments = N
+        ctx.pre_consumed = False
+        ctx.sinks = (fp32_grad_of(w1_EHF), fp32_grad_of(w2_EFH))  # master_grad.MasterGrad or None
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        if ctx.pre_consumed:
+            raise RuntimeError("triton_grouped_mlp: a second backward through the same forward is not supported "
+                               "(the first one overwrote the saved pre-activation to save memory); "
+                               "run the forward again, or use mlp_impl='blocksparse'")
+        x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, token_N, offsets_E1 = ctx.saved_tensors
+        need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
+        T, H = x_TH.shape
+        K, N = ctx.top_k, ctx.num_assignments
+        dx = dw1 = dw2 = dweights = None
+        dy_TH = dy_TH.to(x_TH.dtype)
+        ctx.pre_consumed = True
+
+        # 5. first: it reads pre (or wact) before step 4 overwrites pre
+        if need_w2 and wact_NF is not None:
+            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, wact_NF, dy_TH, offsets_E1, gather_b_S=token_N)
+        elif need_w2:  # recompute_activation: wact = weight · act(pre) in the kernel's prologue
+            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, pre_NF, dy_TH, offsets_E1, gather_b_S=token_N,
+                               a_activation=ctx.activation, a_scale_S=weight_N)
+        if wact_NF is not None:
+            release(wact_NF)
+        # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
+        dpre_NF, dweight_N = grouped_gemm_dact(dy_TH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF, ctx.activation,
+                                               gather_S=token_N, scale_S=weight_N, inplace=True)
+        if need_weights:
+            dweights = torch.empty(N, device=dweight_N.device, dtype=torch.float32)
+            dweights.index_copy_(0, sort_order_N.long(), dweight_N)
+            dweights = dweights.view(T, K).to(ctx.weights_dtype)
+        if need_w1:  # 6.
+            dw1 = _weight_grad(ctx.sinks[0], w1_EHF.dtype, x_TH, dpre_NF, offsets_E1, gather_a_S=token_N)
+        if need_x:  # 7.
+            dx_NH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)
+            release(dpre_NF)
+            dx = dx_NH if K == 1 else dx_NH.view(T, K, H).sum(1)
+        return dx, dw1, dw2, dweights, None, None, None, None, None, None
+
+
+def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
+                routing: Routing, activation: str, recompute_activation: bool = False) -> torch.Tensor:
+    """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e_tk]) @ w2[e_tk]), in x's dtype.
+
+    x_TH [T, H] (fp32/bf16/fp16); w1_EHF [E, H, F] (swiglu: [E, H, 2F], gate first) and
+    w2_EFH [E, F, H] in x's dtype; weights_TK [T, K] router combine weights (fp32; gets a
+    gradient); routing from ``routing_metadata`` of the [T, K] expert ids. No host
+    synchronisation on the GPU. ``recompute_activation``: save pre only (not wact) and recompute
+    wact inside the dw2 kernel (less activation memory, a slower dw2).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
+    T, K = routing.num_tokens, routing.top_k
+    E = w1_EHF.shape[0]
+    if x_TH.dim() != 2 or x_TH.shape[0] != T:
+        raise ValueError(f"x_TH must be [T={T}, H], got {tuple(x_TH.shape)}")
+    H = x_TH.shape[1]
+    F = w2_EFH.shape[1]
+    if w1_EHF.shape != (E, H, 2 * F if activation == "swiglu" else F) or w2_EFH.shape != (E, F, H):
+        raise ValueError(f"{activation}: expected w1 [E, H, {'2F' if activation == 'swiglu' else 'F'}] and "
+                         f"w2 [E, F, H] with E={E}, H={H}; got {tuple(w1_EHF.shape)} and {tuple(w2_EFH.shape)}")
+    if weights_TK.shape != (T, K):
+        raise ValueError(f"weights_TK must be [{T}, {K}], got {tuple(weights_TK.shape)}")
+    if routing.num_experts != E:
+        raise ValueError(f"routing has {routing.num_experts} experts but w1 has {E}")
+    offsets_E1 = routing.expert_offsets_E1
+    if offsets_E1.dtype != torch.int32:
+        offsets_E1 = offsets_E1.to(torch.int32)
+    return TritonGroupedMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N, routing.sorted_token_N,
+                            offsets_E1, K, activation, recompute_activation)

@@ -1,0 +1,12 @@
+"""The pretraining program: a megatron-core GPT (dense or with our MoE) from a YAML config.
+
+    megatron-moe-train --config tiny-cpu            # a shipped config by name, or a path
+
+- train.py: the program and its loop (``pretrain``, ``main``); run_config.py: the YAML config.
+- checkpoint.py (atomic, exact resume), metrics.py (metrics.jsonl, W&B), flops.py (MFU).
+- precision.py (bf16 compute copies over fp32 masters), optimizer.py (AdamW, one fused pass),
+  grad_reduce.py (data / expert-data parallel gradient reduction, clipping).
+- data/: corpus, tokenizers, preparation (.bin/.idx), datasets (GPTDataset splits).
+
+Needs ``pip install "megatron-moe[train]"`` (megatron-core, sentencepiece, pyyaml; wandb optional).
+"""

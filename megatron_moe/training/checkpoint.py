@@ -1,0 +1,366 @@
+"""Atomic training checkpoints: model, optimizer, scheduler, data position, RNG states, config.
+
+Layout (``run_dir/checkpoints``)::
+
+    iter_0000100/            one complete checkpoint
+        model.pt             model.state_dict()                       (rank 0)
+        optimizer.pt         optimizer.state_dict()                   (rank 0)
+        rng_rank00000.pt     python / numpy / torch / CUDA RNG states (every rank its own)
+        meta.json            step, consumed samples, scheduler, resolved config, and the size
+                             of every file above; written last
+    latest                   text: the directory name of the newest complete checkpoint
+
+A save writes everything into ``.tmp-iter_XXXXXXX``, fsyncs each file and the folder, renames
+the folder to ``iter_XXXXXXX`` and only then replaces ``latest`` atomically (write
+``latest.tmp``, fsync, ``os.replace``). A crash at any point leaves ``latest`` naming the
+previous complete checkpoint. ``load_checkpoint`` checks that every file named in meta.json is
+there with its size before reading any of it.
+
+Data parallelism: parameters are replicated, so rank 0 writes the model and optimizer; each
+rank writes its RNG states; barriers order the steps when torch.distributed is initialised.
+
+Expert parallelism (``groups.ep_size`` = P > 1): model.pt / optimizer.pt hold the dense
+parameters and their optimizer state only, and the P ranks of the first expert-parallel group
+each write ``experts_ep{j:03d}.pt`` (their experts' weights and optimizer state, keyed by
+parameter name). Every expert is stored exactly once. Loading concatenates the shards in expert
+order and slices each rank's experts, so a run can resume with another expert-parallel size
+(or none); a checkpoint without EP loads onto EP ranks the same way.
+
+Fault injection (tests only): ``fault_hooks.hooks.pause_save = (STEP, SECONDS)`` makes the save
+of checkpoint STEP sleep after its first file is written into the temporary folder, so a test can
+kill the process in the middle of a checkpoint write.
+
+    from megatron_moe.training.checkpoint import save_checkpoint, latest_checkpoint, load_checkpoint
+    save_checkpoint(run_dir, step=100, model=model, optimizer=opt, meta={...})
+    path = latest_checkpoint(run_dir)            # None when there is none
+    meta = load_checkpoint(path, model, opt)     # restores RNG states too
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .fault_hooks import hooks
+
+FORMAT_VERSION = 1
+CKPT_DIRNAME = "checkpoints"
+LATEST = "latest"
+
+__all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint",
+           "verify_checkpoint", "checkpoint_dir", "get_rng_state", "set_rng_state"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit the model."""
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CKPT_DIRNAME
+
+
+def _iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng_rank{rank:05d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fault_pause(step: int) -> None:
+    """Test hook (fault_hooks.hooks.pause_save): hold the save of one step open mid-write."""
+    if hooks.pause_save is not None and hooks.pause_save[0] == step:
+        time.sleep(hooks.pause_save[1])
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def get_rng_state() -> dict:
+    """Every RNG the training step may draw from, in a form torch.load(weights_only=True) reads."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+        try:
+            from megatron.core import tensor_parallel
+
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            state["cuda_tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
+        except Exception:  # no megatron / no tracker: nothing else to save
+            pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+        if state.get("cuda_tracker"):
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["cuda_tracker"]))
+
+
+def _as_tuple(x: Any) -> Any:
+    if isinstance(x, list):
+        return tuple(_as_tuple(v) for v in x)
+    if isinstance(x, tuple):
+        return tuple(_as_tuple(v) for v in x)
+    return x
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, meta: dict, groups=None) -> Path:
+    """Write checkpoint ``step`` atomically and point ``latest`` at it. Every rank must call it.
+
+    ``meta`` is JSON-serialisable (consumed samples, scheduler state, resolved config, ...);
+    ``step`` and the file manifest are added to it. Returns the checkpoint's directory.
+    """
+    rank, world = _dist()
+    root = checkpoint_dir(run_dir)
+    final = root / _iter_name(step)
+    tmp = root / f".tmp-{_iter_name(step)}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by an earlier crash
+        tmp.mkdir()
+    _barrier()
+
+    _save_file(get_rng_state(), tmp / _rng_name(rank))
+    _fault_pause(step)
+    ep = groups.ep_size if groups is not None else 1
+    experts = _expert_names(model)
+    if ep > 1 and rank < ep:  # the first EP group: EP rank j == global rank j
+        _save_file(_expert_shard(model, optimizer, experts), tmp / _shard_name(rank))
+    _barrier()
+
+    if rank == 0:
+        model_state = model.state_dict()
+        opt_state = optimizer.state_dict() if optimizer is not None else None
+        if ep > 1:  # experts live in the shards
+            model_state = {k: v for k, v in model_state.items() if k not in experts}
+            if opt_state is not None:
+                idx2name = _optimizer_param_names(model, optimizer)
+                opt_state["state"] = {i: st for i, st in opt_state["state"].items()
+                                      if idx2name.get(i) not in experts}
+        _save_file(model_state, tmp / "model.pt")
+        if opt_state is not None:
+            _save_file(opt_state, tmp / "optimizer.pt")
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        full_meta = {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world,
+                     "expert_parallel_size": ep, **meta, "files": files}
+        _write_text(tmp / "meta.json", json.dumps(full_meta, indent=1, sort_keys=False))
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # re-saving a step (after resuming from an older one)
+            old = root / f".old-{_iter_name(step)}"
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        latest_tmp = root / f"{LATEST}.tmp"
+        _write_text(latest_tmp, final.name + "\n")
+        os.replace(latest_tmp, root / LATEST)
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names, or None when the run has no checkpoint yet."""
+    root = checkpoint_dir(run_dir)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not name or "/" in name or name.startswith("."):
+        raise CheckpointError(f"{pointer} is corrupt (it holds {name!r}); write the name of a "
+                              f"complete checkpoint directory in {root} into it")
+    return root / name
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check the checkpoint is complete (every file of its manifest, with its size); return meta."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not meta_path.exists():
+        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json is missing (the save "
+                              "did not finish); resume from an older checkpoint by writing its "
+                              f"name into {path.parent / LATEST}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: meta.json is unreadable: {e}") from None
+    files = meta.get("files")
+    if not isinstance(files, dict) or "model.pt" not in files:
+        raise CheckpointError(f"checkpoint {path}: meta.json has no file manifest")
+    for name, size in files.items():
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} has "
+                                  f"{f.stat().st_size} bytes, the manifest says {size}")
+    return meta
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True,
+                    map_location: str | torch.device = "cpu", groups=None) -> dict:
+    """Verify, then load model (strict), optimizer and this rank's RNG states; return meta.
+
+    Expert weights and their optimizer state are re-sliced for this rank's expert-parallel
+    position (``groups``), whatever expert-parallel size the checkpoint was written with.
+    """
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    rank, world = _dist()
+    state = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+    experts = _expert_names(model)
+    saved_ep = int(meta.get("expert_parallel_size", 1))
+    shards = [torch.load(path / _shard_name(j), map_location="cpu", weights_only=True)
+              for j in range(saved_ep)] if saved_ep > 1 else []
+    if shards:
+        for name in shards[0]["params"]:
+            state[name] = torch.cat([sh["params"][name] for sh in shards])
+    ep_rank = groups.ep_rank if groups is not None else 0
+    local = {n: p.shape[0] for n, p in model.named_parameters() if n in experts}
+    for name, n_local in local.items():
+        if name in state and state[name].shape[0] != n_local:
+            state[name] = state[name][ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model (was the model config "
+                              f"changed?): {str(e).splitlines()[0]}") from None
+    if optimizer is not None:
+        if "optimizer.pt" not in meta["files"]:
+            raise CheckpointError(f"checkpoint {path} has no optimizer state")
+        opt_state = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+        idx2name = _optimizer_param_names(model, optimizer)
+        name2idx = {n: i for i, n in idx2name.items()}
+        if shards:  # expert optimizer state: concatenate the shards along the expert dimension
+            for name in shards[0]["optim"]:
+                parts = [sh["optim"][name] for sh in shards]
+                opt_state["state"][name2idx[name]] = {
+                    k: (torch.cat([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() > 0 else v)
+                    for k, v in parts[0].items()}
+        for name, n_local in local.items():
+            st = opt_state["state"].get(name2idx.get(name))
+            if st is None:
+                continue
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] != n_local:
+                    st[k] = v[ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit: {e}") from None
+    if restore_rng:
+        rng_file = path / _rng_name(rank)
+        if rng_file.exists():
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        else:
+            meta["rng_restored"] = False  # saved with fewer ranks: RNG streams start anew
+    return meta
+
+
+# ----------------------------------------------------------------------------- expert shards
+
+
+def _shard_name(ep_rank: int) -> str:
+    return f"experts_ep{ep_rank:03d}.pt"
+
+
+def _expert_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
+
+
+def _optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Index of each parameter in optimizer.state_dict() -> its name in the model."""
+    names = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: names[id(p)] for i, p in enumerate(flat) if id(p) in names}
+
+
+def _expert_shard(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, experts: set[str]) -> dict:
+    params = {n: p.detach().cpu() for n, p in model.named_parameters() if n in experts}
+    optim = {}
+    if optimizer is not None:
+        by_id = {id(p): n for n, p in model.named_parameters() if n in experts}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) in by_id and p in optimizer.state:
+                    optim[by_id[id(p)]] = {k: (v.detach().cpu() if torch.is_tensor(v) else v)
+                                           for k, v in optimizer.state[p].items()}
+    return {"params": params, "optim": optim}

@@ -1,0 +1,71 @@
+"""The process group of a training run: torchrun's environment, or a world of one process.
+
+    di = setup_distributed()     # NCCL with device LOCAL_RANK on GPUs, gloo on the CPU
+    di.rank, di.world_size, di.device
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistInfo", "setup_distributed", "set_deterministic", "world_size"]
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    created_group: bool
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size() -> int:
+    """The world size, before or after the process group exists (torchrun's WORLD_SIZE)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup_distributed() -> DistInfo:
+    """Initialise torch.distributed: env:// under torchrun, else a world of one process.
+
+    NCCL with device LOCAL_RANK when CUDA is available, gloo on the CPU. Idempotent.
+    """
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    created = False
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
+        created = True
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, created)
+
+
+def set_deterministic(on: bool = True) -> None:
+    """Deterministic algorithms only (``train.deterministic``); call before CUDA/NCCL start.
+
+    The environment variables are read when cuBLAS / NCCL initialise, so they are set only
+    if the user has not chosen otherwise."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")  # a fixed reduction order
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False

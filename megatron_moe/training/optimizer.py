@@ -1,0 +1,165 @@
+"""AdamW whose step also applies the gradient-clipping coefficient and refreshes the bf16 compute
+copies, in one fused pass (``kernels/adamw.py``) instead of three.
+
+    opt = AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused_kernel=True)
+    opt.set_copies(bf16.masters, bf16.copies)   # precision.BF16Params: copies written by the step
+    coef = clip_coefficient(grad_norm, 1.0)     # a device scalar: no host sync
+    opt.step(grad_scale=coef)                   # grads scaled by coef, masters and copies updated
+
+A torch.optim.AdamW: same hyperparameters, the same state (``step``, ``exp_avg``,
+``exp_avg_sq``), so checkpoints load either way. With ``fused_kernel`` the update runs the
+Triton kernel where Triton runs (a GPU, or the CPU under TRITON_INTERPRET=1), keeping each
+parameter's step count on the host (its bias corrections need no device read); otherwise (or
+``fused_kernel=False``, ``train.fused_optimizer=false``) it scales the gradients with one
+multi-tensor multiply, runs torch's AdamW (fused on CUDA) and copies the masters into the copies:
+the unfused path, the same math.
+
+``build_optimizer`` makes one with Megatron's parameter groups (no weight decay on biases and
+norm weights); ``lr_at`` is the learning-rate schedule (linear warm-up, cosine decay).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_moe.kernels._common import use_triton
+from megatron_moe.kernels.adamw import BlockMap, adamw_step_, hyperparameters
+
+
+class AdamW(torch.optim.AdamW):
+    def __init__(self, params, *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float = 0.0, fused_kernel: bool = True):
+        params = list(params)
+        first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
+        self.fused_kernel = bool(fused_kernel) and use_triton(first)
+        # the unfused path: torch's fused multi-tensor kernel on CUDA, its default elsewhere
+        torch_fused = True if (first.is_cuda and not self.fused_kernel) else None
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=torch_fused)
+        self._torch_fused = torch_fused
+        self._copy_of: dict[int, torch.Tensor] = {}
+        self._block_map: BlockMap | None = None
+        self._host_step: dict[int, int] = {}  # id(p) -> its state["step"], read once from there
+
+    def set_copies(self, masters: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
+        """After each step, copies[i] holds masters[i] rounded to its dtype (precision.BF16Params)."""
+        if len(masters) != len(copies):
+            raise ValueError(f"AdamW.set_copies: {len(masters)} masters but {len(copies)} copies")
+        self._copy_of = {id(m): c for m, c in zip(masters, copies)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._host_step.clear()
+        # the saved groups' flags replace ours on load: keep this instance's path, and each
+        # step count where that path reads it (host for the kernel, the device for torch's fused)
+        for group in self.param_groups:
+            group["fused"] = self._torch_fused
+            group["foreach"] = None
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and torch.is_tensor(st.get("step")):
+                    on = p.device if self._torch_fused else torch.device("cpu")
+                    st["step"] = st["step"].detach().to(torch.float32).to(on)
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
+        """One update of every parameter that has a gradient; ``grad_scale`` (a scalar tensor on
+        the parameters' device, e.g. the clipping coefficient) multiplies the gradients first."""
+        if closure is not None:
+            raise ValueError("megatron_moe.training.optimizer.AdamW.step: closures are not supported")
+        if not self.fused_kernel:
+            self._unfused_step(grad_scale)
+            return None
+        if self._copy_of:  # checked before anything changes
+            with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            missing = sum(id(p) not in self._copy_of for p in with_grad)
+            if missing:
+                raise ValueError(f"megatron_moe.training.optimizer.AdamW: {missing} of {len(with_grad)} parameters have "
+                                 "no compute copy: set_copies must cover every parameter (or none)")
+        params, grads, exp_avgs, exp_avg_sqs, hyper, steps, counts = [], [], [], [], [], [], []
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("megatron_moe.training.optimizer.AdamW: amsgrad and maximize are not supported")
+            beta1, beta2 = group["betas"]
+            by_step: dict[int, tuple[float, ...]] = {}  # the group's parameters share their scalars
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                # the count lives in state["step"] (checkpoints, torch's AdamW); a host mirror
+                # spares a device-to-host read and a tensor op per parameter per step
+                t = self._host_step.get(id(p))
+                t = (int(st["step"].item()) if t is None else t) + 1
+                counts.append(t)
+                steps.append(st["step"])
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(st["exp_avg"])
+                exp_avg_sqs.append(st["exp_avg_sq"])
+                if t not in by_step:
+                    by_step[t] = hyperparameters(float(group["lr"]), group["weight_decay"], beta1,
+                                                 beta2, group["eps"], t)
+                hyper.append(by_step[t])
+        copies = [self._copy_of[id(p)] for p in params] if self._copy_of else None
+        # the one launch per device (a model's parameters share one); adamw_step_ checks the
+        # tensors before it changes anything, so the step counts advance only after it
+        for dev in {p.device for p in params}:
+            idx = [k for k, p in enumerate(params) if p.device == dev]
+            pick = lambda xs: [xs[k] for k in idx]  # noqa: E731
+            scale = grad_scale.to(dev) if grad_scale is not None else None
+            self._block_map = adamw_step_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                                          pick(hyper), copies=pick(copies) if copies is not None else None,
+                                          grad_scale=scale, block_map=self._block_map)
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+            self._host_step.update(zip(map(id, params), counts))
+        return None
+
+    def _unfused_step(self, grad_scale):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grad_scale is not None and grads:
+            torch._foreach_mul_(grads, grad_scale.to(grads[0].dtype))
+        super().step()
+        if self._copy_of:
+            masters = [p for g in self.param_groups for p in g["params"] if id(p) in self._copy_of]
+            torch._foreach_copy_([self._copy_of[id(p)] for p in masters], masters)
+
+
+def trainable_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """named_parameters without duplicates (tied embeddings count once), trainable only."""
+    seen, out = set(), []
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out
+
+
+def build_optimizer(model: torch.nn.Module, tc) -> AdamW:
+    """AdamW with Megatron's decay rule: no weight decay on biases and 1-D (norm) weights;
+    ``tc.fused_optimizer``: clipping scale, update and bf16 copies in one kernel pass."""
+    decay, no_decay = [], []
+    for name, p in trainable_params(model):
+        (no_decay if (name.endswith(".bias") or p.ndim == 1) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return AdamW(groups, lr=tc.lr, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps,
+                 fused_kernel=tc.fused_optimizer)
+
+
+def lr_at(step: int, tc) -> float:
+    """Learning rate of step ``step`` (0-based): linear warm-up from lr/warmup to lr over
+    lr_warmup_iters steps, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    warm, decay = tc.lr_warmup_iters, tc.decay_iters
+    if step < warm:
+        return tc.lr * (step + 1) / warm
+    if step >= decay:
+        return tc.min_lr
+    progress = (step - warm) / max(decay - warm, 1)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,574 @@
+"""Pretrain a megatron-core GPT (dense or with our MoE) from a YAML config.
+
+    megatron-moe-train                                   # the tiny-cpu config, CPU, a few minutes
+    megatron-moe-train --config dmoe-xs train.lr=3e-4 name=dmoe-xs-lr3e-4
+    megatron-moe-train --config dmoe-xs --resume         # continue runs/dmoe-xs
+    megatron-moe-train --config dmoe-xs --print-config   # the resolved YAML
+    megatron-moe-train --config my-run.yaml              # any config file by path
+    torchrun --standalone --nproc-per-node 8 -m megatron_moe.training --config dmoe-xs
+    scripts/pretrain.sh dmoe-xs                          # the same, all GPUs of this node
+
+One process on the CPU (gloo, fp32) or one per GPU under torchrun (NCCL, device LOCAL_RANK,
+bf16 compute copies of fp32 master parameters: precision.py; or autocast with
+``train.bf16_params=false``). Data parallelism is done here, not by DDP: after the
+micro-batches of a step are accumulated, grad_reduce.py's GradReducer all-reduces the
+gradients in flattened buckets, dense parameters over all ranks and expert parameters over the
+ranks holding the same experts (``model.moe.expert_parallel_size``).
+
+A run, in the order this file reads:
+  * ``pretrain(cfg, resume)``: the checks that need no process group, the process group, the
+    metrics logger; then ``build`` (seeds, data, model, optimizer, precision), ``restore`` (the
+    latest checkpoint, last, so its RNG states are what the next step sees) and ``_loop``.
+  * each step (``train_step``): ``global_batch_size / (micro_batch_size * data-parallel size)``
+    micro-batches (LM loss scaled by 1/num_micro, the aux losses too via
+    ``set_aux_loss_scale``), the bucketed all-reduce, the global gradient norm, then one host
+    read of the step's statistics; if loss and norm are finite, AdamW (clipping scale, update
+    and bf16 copies in one pass) and ``update_expert_biases``.
+  * ``step_metrics``: tokens/s, TFLOP/s per GPU, MFU, expert load; ``evaluate`` every
+    ``train.eval_interval`` steps and at the last (the same validation sequences each time);
+    ``save`` every ``train.save_interval`` steps, at ``train.exit_interval`` and at the end.
+
+The data order is a function of the consumed-sample count, so ``--resume`` continues exactly:
+N steps + resume N steps give the same losses as 2N straight. The run directory
+``logging.runs_dir/name`` holds config.yaml, metrics.jsonl, wandb/ and checkpoints/
+(checkpoint.py, metrics.py). A fresh start in a run directory that has checkpoints is refused
+(pass --resume or another name=...); --resume with no checkpoint starts from scratch.
+
+Non-finite steps: if the step's LM loss or global gradient norm is NaN/Inf the update is
+skipped (weights and optimizer state stay as they were); the step still counts (its data is
+consumed and the learning-rate schedule, a function of the step, moves on, as Megatron-LM
+counts a skipped iteration). ``skipped_steps`` (cumulative) goes to metrics.jsonl and the run
+stops after ``train.max_consecutive_nonfinite`` such steps in a row. Both counters are saved in
+checkpoints, so a resumed run counts on exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe import update_expert_biases
+from megatron_moe.dispatch import exchange_time_ms
+from megatron_moe.megatron import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
+from megatron_moe.parallel import ParallelGroups, init_parallel_groups
+
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint,
+                         verify_checkpoint)
+from .data import MicroBatchSampler, build_datasets, micro_batch_loader, prepare_data, split_tokens
+from .distributed import DistInfo, set_deterministic, setup_distributed, world_size
+from .fault_hooks import hooks
+from .flops import count_parameters, flops_per_token, peak_tflops
+from .grad_reduce import GradReducer, clip_coefficient, clip_grad_norm
+from .metrics import MetricsLogger, StepProfiler, ep_rank_imbalance, expert_load_stats, format_line
+from .optimizer import AdamW, build_optimizer, lr_at, trainable_params
+from .precision import BF16Params
+from .run_config import ConfigError, RunConfig, load_config
+
+__all__ = ["main", "pretrain", "TrainError", "evaluate"]
+
+DEFAULT_CONFIG = "tiny-cpu"
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------- the run's state
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between steps."""
+
+    cfg: RunConfig
+    di: DistInfo
+    logger: MetricsLogger
+    num_micro: int
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: AdamW
+    reducer: GradReducer
+    groups: ParallelGroups
+    amp: object  # a context manager factory: the forward's precision
+    bf16: BF16Params | None
+    layers: list  # the DroplessMoE layers
+    layer_names: list[str]
+    data_iter: object
+    valid_loader: object | None
+    flops_per_token: float
+    peak_tflops: float | None
+    step: int = 0
+    consumed: int = 0
+    skipped: int = 0  # non-finite steps in the whole run
+    consecutive: int = 0  # ... and in a row up to now
+    first_info: dict = field(default_factory=dict)  # logged with this process's first step
+
+    def print(self, *args, bar=None) -> None:
+        if self.di.rank != 0:
+            return
+        msg = " ".join(str(a) for a in args)
+        if bar is not None and not bar.disable:
+            bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+
+@dataclass
+class StepResult:
+    lm_loss: float
+    grad_norm: float
+    lr: float
+    finite: bool
+    packed_C: torch.Tensor  # [lm, aux, z, dropped(L), tokens_per_expert(L*E), grad_norm] on the CPU
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _moe_layer_names(model: torch.nn.Module, layers: list) -> list[str]:
+    """'layerN' (1-based transformer layer) for each MoE layer, found from module names."""
+    ids = {id(m): i for i, m in enumerate(layers)}
+    names = [f"moe{i}" for i in range(len(layers))]
+    for name, m in model.named_modules():
+        if id(m) in ids:
+            found = re.findall(r"layers\.(\d+)\.", name + ".")
+            if found:
+                names[ids[id(m)]] = f"layer{int(found[-1]) + 1}"
+    return names
+
+
+def _precision(tc, model, params, reducer, optimizer, device) -> tuple[object, BF16Params | None, str]:
+    """(the forward's context, the bf16 copies or None, a description). ``train.bf16`` applies
+    on GPUs; the CPU runs fp32."""
+    if not (tc.bf16 and (device.type == "cuda" or hooks.bf16_on_cpu)):
+        return contextlib.nullcontext, None, "fp32"
+    if tc.bf16_params:
+        bf16 = BF16Params(model, params, grad_ready=reducer.grad_ready,
+                          fuse_grad_accumulation=tc.grad_accumulation_fusion)
+        optimizer.set_copies(bf16.masters, bf16.copies)  # each step rounds the masters into them
+        return bf16.compute, bf16, "bf16 params (fp32 masters)"
+    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)), None, "bf16 autocast"
+
+
+def _data(cfg: RunConfig, run_print, logger: MetricsLogger, rank: int):
+    """(train dataset, validation dataset or None, validation samples, info for the first step)."""
+    tc, mc = cfg.train, cfg.model
+    prepared = prepare_data(cfg.data, rank=rank)
+    n_train = tc.train_iters * tc.global_batch_size
+    # As in Megatron-LM: one evaluation = eval_iters global batches, the same samples every
+    # time (so val_loss is comparable across steps and data-parallel sizes).
+    n_valid = tc.eval_iters * tc.global_batch_size if tc.eval_interval > 0 else 0
+    train_ds, valid_ds, _ = build_datasets(
+        cfg.data, prepared, seq_length=mc.seq_length, seed=tc.seed,
+        num_samples=(n_train, max(n_valid, 1), max(n_valid, 1)), model_vocab_size=mc.vocab_size)
+    if n_valid and valid_ds is None:
+        run_print("warning: the validation split is empty (data.split): evaluation is off")
+        n_valid = 0
+    info = {}
+    train_tokens = split_tokens(train_ds)
+    if train_tokens:  # how often the run goes over its training data
+        epochs = n_train * mc.seq_length / train_tokens
+        info = {"data_train_tokens": train_tokens, "data_epochs": epochs}
+        run_print(f"data: {train_tokens:,} tokens in the train split ({prepared.num_tokens:,} in "
+                  f"all); {tc.train_iters} steps read {n_train * mc.seq_length:,} = {epochs:.2f} epochs"
+                  + (" (data repeats: validation loss then also measures memorisation; more data "
+                     "(data.paths, data.default_corpus_mb) or fewer train.train_iters avoid it)"
+                     if epochs > 1 else ""))
+        logger.summary(info)
+    return train_ds, (valid_ds if n_valid else None), n_valid, info
+
+
+def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, step: int,
+          consumed: int) -> Run:
+    """Seeds, data, model, optimizer and precision of a run that starts at ``step``."""
+    tc, mc = cfg.train, cfg.model
+    rank, world, device = di.rank, di.world_size, di.device
+
+    def run_print(*a):
+        if rank == 0:
+            print(*a, flush=True)
+
+    init_megatron(tc.seed)  # seeds random, numpy, torch (and megatron's CUDA RNG tracker)
+    train_ds, valid_ds, n_valid, data_info = _data(cfg, run_print, logger, rank)
+
+    ep = mc.moe.expert_parallel_size if mc.moe is not None else 1
+    try:
+        groups = init_parallel_groups(ep, num_experts=mc.moe.num_experts if mc.moe is not None else None)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    model = build_gpt_model(mc)
+    model.train()
+    params = [p for _, p in trainable_params(model)]
+    reducer = GradReducer.for_groups(params, groups, overlap=tc.overlap_grad_reduce)
+    reducer.broadcast_params(model)
+    optimizer = build_optimizer(model, tc)
+    layers = moe_layers(model)
+    set_aux_loss_scale(1.0 / num_micro)
+    amp, bf16, precision = _precision(tc, model, params, reducer, optimizer, device)
+    peak = None
+    if device.type == "cuda":
+        peak = peak_tflops(torch.cuda.get_device_name(device), torch.bfloat16 if tc.bf16 else torch.float32)
+
+    counts = count_parameters(mc)
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    run_print(f"run {cfg.name}: {cfg.run_dir} | {world} x {device.type}{gpu} | {precision}"
+              f"{' | deterministic' if tc.deterministic else ''} | micro {tc.micro_batch_size} x dp "
+              f"{world} x {num_micro} accumulation = global {tc.global_batch_size} | {len(layers)} MoE "
+              f"layers | params total {counts['total'] / 1e6:.1f}M, active/token {counts['active'] / 1e6:.1f}M")
+
+    valid_loader = None
+    if valid_ds is not None:  # re-iterated at each evaluation: the same samples every time
+        valid_loader = micro_batch_loader(
+            valid_ds, MicroBatchSampler(0, n_valid, tc.micro_batch_size, rank, world), device, tc.seed)
+    n_train = tc.train_iters * tc.global_batch_size
+    sampler = MicroBatchSampler(consumed, n_train, tc.micro_batch_size, rank, world)
+    data_iter = iter(micro_batch_loader(train_ds, sampler, device, tc.seed))
+    return Run(cfg=cfg, di=di, logger=logger, num_micro=num_micro, model=model, params=params,
+               optimizer=optimizer, reducer=reducer, groups=groups, amp=amp, bf16=bf16, layers=layers,
+               layer_names=_moe_layer_names(model, layers), data_iter=data_iter,
+               valid_loader=valid_loader, flops_per_token=float(flops_per_token(mc)), peak_tflops=peak,
+               step=step, consumed=consumed, first_info={"world_size": world, **data_info})
+
+
+def restore(run: Run, ckpt: Path) -> None:
+    """Load ``ckpt`` into the run: weights, optimizer, RNG states, the non-finite counters."""
+    try:
+        meta = load_checkpoint(ckpt, run.model, run.optimizer, map_location=run.di.device,
+                               groups=run.groups)
+    except CheckpointError as e:
+        raise TrainError(str(e)) from None
+    if run.bf16 is not None:
+        run.bf16.refresh()
+    run.skipped = int(meta.get("skipped_steps", 0))
+    run.consecutive = int(meta.get("consecutive_nonfinite", 0))
+    if meta.get("world_size") != run.di.world_size:
+        run.print(f"note: checkpoint written by {meta.get('world_size')} ranks, resuming on "
+                  f"{run.di.world_size}: same data order, new RNG streams where ranks were added")
+    run.print(f"resumed from {ckpt} at step {run.step} ({run.consumed} samples consumed)")
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _forward_loss(model, batch: dict, amp) -> torch.Tensor:
+    """Mean LM loss over the micro-batch's unmasked tokens (fp32 scalar)."""
+    with amp():
+        loss_BS = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+    return (loss_BS.float() * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def train_step(run: Run) -> StepResult:
+    """One optimizer step over ``num_micro`` micro-batches; the one host synchronisation is the
+    read of the step's statistics (they decide whether the update is applied)."""
+    tc, device, n_layers = run.cfg.train, run.di.device, len(run.layers)
+    lr = lr_at(run.step, tc)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    lm_sum, aux_sum, z_sum = (torch.zeros((), device=device) for _ in range(3))
+    dropped_L = torch.zeros(n_layers, device=device)
+    tpe_LE = None
+    for micro in range(run.num_micro):
+        lm = _forward_loss(run.model, _to(next(run.data_iter), device), run.amp)
+        if micro == 0 and run.step + 1 in hooks.loss_factor_at_step:  # tests: a diverged step
+            lm = lm * hooks.loss_factor_at_step[run.step + 1]
+        if micro == run.num_micro - 1:
+            run.reducer.arm()  # overlap_grad_reduce: buckets reduce during this backward
+        (lm / run.num_micro).backward()
+        lm_sum += lm.detach()
+        for i, layer in enumerate(run.layers):
+            if layer.load_balancing_loss is not None:
+                aux_sum += layer.load_balancing_loss.detach().float()
+            if layer.z_loss is not None:
+                z_sum += layer.z_loss.detach().float()
+            if layer.dropped_fraction is not None:
+                dropped_L[i] += layer.dropped_fraction.float()
+        if n_layers:
+            cur_LE = torch.stack([layer.tokens_per_expert.float() for layer in run.layers])
+            tpe_LE = cur_LE if tpe_LE is None else tpe_LE + cur_LE
+    run.reducer.reduce()
+    grad_norm = clip_grad_norm(run.params, tc.clip_grad, run.groups, scale=False)  # the step scales
+    packed = torch.cat([torch.stack([lm_sum, aux_sum, z_sum]), dropped_L]
+                       + ([tpe_LE.reshape(-1)] if tpe_LE is not None else []))
+    if run.di.world_size > 1:
+        dist.all_reduce(packed)
+    # grad_norm is global already (the same on every rank): appended after the reduction
+    packed_C = torch.cat([packed, grad_norm.reshape(1).to(packed)]).cpu()  # the one sync
+    lm_loss = float(packed_C[0]) / (run.num_micro * run.di.world_size)
+    gnorm = float(packed_C[-1])
+    finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
+    if finite:
+        run.optimizer.step(grad_scale=clip_coefficient(grad_norm, tc.clip_grad))  # copies too
+        update_expert_biases(run.model)
+        run.consecutive = 0
+    else:  # skip the update; the step, its data and the schedule still count
+        run.optimizer.zero_grad(set_to_none=True)
+        run.skipped += 1
+        run.consecutive += 1
+    run.step += 1
+    run.consumed += tc.global_batch_size
+    return StepResult(lm_loss, gnorm, lr, finite, packed_C)
+
+
+def step_metrics(run: Run, r: StepResult, step_time: float) -> dict:
+    """The row metrics.jsonl and W&B get for a step (metrics.py lists the keys)."""
+    tc, mc, n_layers = run.cfg.train, run.cfg.model, len(run.layers)
+    denom = run.num_micro * run.di.world_size
+    tokens_per_step = tc.global_batch_size * mc.seq_length
+    device = run.di.device
+    m = {"consumed_samples": run.consumed, "tokens": run.consumed * mc.seq_length,
+         "lm_loss": r.lm_loss,
+         "aux_loss": float(r.packed_C[1]) / denom if n_layers else None,  # null: dense
+         "z_loss": float(r.packed_C[2]) / denom if n_layers else None,
+         "lr": r.lr, "grad_norm": r.grad_norm, "skipped_steps": run.skipped,
+         "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+         "tflops_per_gpu": run.flops_per_token * tokens_per_step / step_time / run.di.world_size / 1e12,
+         "mfu": None,
+         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
+    if run.peak_tflops:
+        m["mfu"] = m["tflops_per_gpu"] / run.peak_tflops
+    a2a_ms = exchange_time_ms()
+    if a2a_ms is not None:  # expert parallelism: GPU time in the token all-to-alls
+        m["a2a_ms"] = a2a_ms
+        m["a2a_fraction"] = a2a_ms / 1e3 / step_time
+    if n_layers:
+        tpe_LE = r.packed_C[3 + n_layers:-1].reshape(n_layers, -1)
+        m.update(expert_load_stats(tpe_LE, run.layer_names))
+        m.update(ep_rank_imbalance(tpe_LE, run.layer_names, run.groups.ep_size))
+    if n_layers and mc.moe.mlp_impl == "capacity":
+        per_layer = r.packed_C[3:3 + n_layers] / denom
+        m["dropped_fraction"] = float(per_layer.mean())
+        for name, v in zip(run.layer_names, per_layer.tolist()):
+            m[f"dropped_fraction/{name}"] = v
+    if run.first_info:  # once per process (a resumed run logs it again at its first step)
+        m.update(run.first_info)
+        run.first_info = {}
+    return m
+
+
+@torch.no_grad()
+def evaluate(model, batches, amp, device) -> float:
+    """Mean validation LM loss over this rank's validation micro-batches (an iterable of
+    batches), averaged over ranks (every rank has the same number of them)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    n = 0
+    for b in batches:
+        total += _forward_loss(model, _to(b, device), amp)
+        n += 1
+    total /= max(n, 1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    model.train(was_training)
+    return float(total)
+
+
+def save(run: Run, lr: float) -> Path:
+    tc = run.cfg.train
+    return save_checkpoint(run.cfg.run_dir, run.step, run.model, run.optimizer, {
+        "consumed_samples": run.consumed,
+        "skipped_steps": run.skipped, "consecutive_nonfinite": run.consecutive,
+        "scheduler": {"lr": tc.lr, "min_lr": tc.min_lr, "warmup": tc.lr_warmup_iters,
+                      "decay_iters": tc.decay_iters, "last_lr": lr},
+        "config": run.cfg.to_dict()}, groups=run.groups)
+
+
+def _check_divergence(run: Run, r: StepResult, bar) -> None:
+    """Report a skipped step; stop the run after train.max_consecutive_nonfinite in a row."""
+    tc = run.cfg.train
+    run.print(f"step {run.step}: non-finite lm_loss {r.lm_loss} / grad_norm {r.grad_norm}: update "
+              f"skipped ({run.consecutive} in a row, the run stops at train.max_consecutive_nonfinite="
+              f"{tc.max_consecutive_nonfinite}; {run.skipped} skipped in all)", bar=bar)
+    if run.consecutive >= tc.max_consecutive_nonfinite:
+        last = latest_checkpoint(run.cfg.run_dir)
+        raise TrainError(
+            f"{run.consecutive} steps in a row ({run.step - run.consecutive + 1}..{run.step}) had a "
+            f"non-finite LM loss or gradient norm (last: lm_loss {r.lm_loss}, grad_norm {r.grad_norm}), "
+            f"train.max_consecutive_nonfinite={tc.max_consecutive_nonfinite}: the run diverged and "
+            "stops. Lower train.lr, raise train.lr_warmup_iters or check the data, then --resume from "
+            f"the last checkpoint ({last.name if last is not None else 'none yet: start again'})")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _loop(run: Run) -> dict:
+    """Steps until train.train_iters (or train.exit_interval): the step, its metrics, evaluation,
+    checkpoints. Returns the final metrics (see pretrain)."""
+    from tqdm import tqdm
+
+    tc = run.cfg.train
+    bar = tqdm(total=tc.train_iters, initial=run.step, disable=run.di.rank != 0 or not sys.stdout.isatty(),
+               unit="step", dynamic_ncols=True)
+    profiler = StepProfiler(run.cfg.run_dir, run.di.rank, run.di.device)
+    losses, steps, last_val, last_saved, ok = [], [], None, None, False
+    try:
+        while run.step < tc.train_iters:
+            profiler.start(run.step + 1)
+            t0 = time.perf_counter()
+            r = train_step(run)
+            m = step_metrics(run, r, time.perf_counter() - t0)
+            step = run.step
+            if tc.eval_interval and run.valid_loader is not None and (
+                    step % tc.eval_interval == 0 or step == tc.train_iters):
+                last_val = m["val_loss"] = evaluate(run.model, run.valid_loader, run.amp, run.di.device)
+                m["val_ppl"] = math.exp(min(last_val, 80.0))
+            profiler.finish(step)
+            losses.append(r.lm_loss)
+            steps.append(step)
+            run.logger.log(m, step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{r.lm_loss:.3f}", tok_s=f"{m['tokens_per_s']:,.0f}")
+            if step % tc.log_interval == 0 or step == tc.train_iters or "val_loss" in m:
+                run.print(format_line(step, tc.train_iters, m), bar=bar)
+            if not r.finite:
+                _check_divergence(run, r, bar)
+            stop = tc.exit_interval is not None and step % tc.exit_interval == 0
+            if ((tc.save_interval and step % tc.save_interval == 0) or stop
+                    or (step == tc.train_iters and tc.save_final)):
+                last_saved = save(run, r.lr)
+                run.print(f"saved checkpoint {last_saved}", bar=bar)
+            if stop and step < tc.train_iters:
+                run.print(f"train.exit_interval={tc.exit_interval}: stopping at step {step}; "
+                          "continue with --resume", bar=bar)
+                break
+        ok = True
+    finally:
+        bar.close()
+        if ok:
+            run.logger.summary({"final_lm_loss": losses[-1] if losses else None,
+                                "final_val_loss": last_val})
+        run.logger.close(0 if ok else 1)
+    return {"step": run.step, "consumed_samples": run.consumed, "losses": losses, "steps": steps,
+            "skipped_steps": run.skipped, "lm_loss": losses[-1] if losses else None,
+            "val_loss": last_val, "run_dir": str(run.cfg.run_dir),
+            "checkpoint": str(last_saved) if last_saved else None}
+
+
+def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
+    """Train per ``cfg``; with ``resume`` continue from run_dir/checkpoints/latest (if any).
+
+    Returns the final metrics: step, consumed_samples, lm_loss, val_loss, losses (the LM loss
+    of every step run by this call; NaN where a step was skipped), steps, skipped_steps (in
+    the whole run), run_dir, checkpoint, wall_time_s.
+    """
+    t_start = time.time()
+    tc, run_dir = cfg.train, cfg.run_dir
+    # Checks that need no process group come first, so bad input fails fast and cleanly.
+    world = world_size()
+    per_step = tc.micro_batch_size * world
+    if tc.global_batch_size % per_step:
+        raise TrainError(
+            f"train.global_batch_size={tc.global_batch_size} is not divisible by "
+            f"train.micro_batch_size ({tc.micro_batch_size}) x data-parallel size ({world}) = "
+            f"{per_step}: choose a global batch that is a multiple of {per_step}")
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except CheckpointError as e:
+        raise TrainError(str(e)) from None
+    if ckpt is not None and not resume:
+        raise TrainError(
+            f"run directory {run_dir} already holds checkpoints (latest: {ckpt.name}): pass "
+            "--resume to continue it, give the run another name (name=...), or delete the directory")
+    step, consumed = 0, 0
+    if resume and ckpt is not None:
+        try:
+            meta = verify_checkpoint(ckpt)
+        except CheckpointError as e:
+            raise TrainError(str(e)) from None
+        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
+
+    set_deterministic(tc.deterministic)  # before CUDA / NCCL initialise
+    di = setup_distributed()
+    if resume and ckpt is None and di.rank == 0:
+        print(f"--resume: no checkpoint in {run_dir}, starting from scratch", flush=True)
+    # Logging first: whatever W&B does to the RNGs happens before seeding.
+    if di.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    logger = MetricsLogger(cfg, run_dir, enabled=di.rank == 0, resume_step=step)
+    try:
+        run = build(cfg, di, logger, tc.global_batch_size // per_step, step, consumed)
+        if resume and ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
+            restore(run, ckpt)
+        result = _loop(run)
+    except RuntimeError as e:
+        logger.close(exit_code=1)
+        if tc.deterministic and "deterministic" in str(e) and not isinstance(e, TrainError):
+            raise TrainError(f"train.deterministic=true: {str(e).splitlines()[0]} Set "
+                             "train.deterministic=false to run this model here") from None
+        raise
+    except BaseException:
+        logger.close(exit_code=1)
+        raise
+    result["wall_time_s"] = time.time() - t_start
+    if di.rank == 0:
+        lm, val = result["lm_loss"], result["val_loss"]
+        print(f"done: step {result['step']}/{tc.train_iters}, lm_loss {lm if lm is None else round(lm, 4)}, "
+              f"val_loss {val if val is None else round(val, 4)}, {result['wall_time_s']:.1f} s, run dir "
+              f"{run_dir}", flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+    return f"megatron-moe-train: {category.__name__}: {message}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-moe-train",
+        description="Pretrain a megatron-core GPT with dropless MoE from a YAML config.",
+        epilog="Overrides: dotted keys, e.g. train.lr=3e-4 model.moe.top_k=2 name=my-run")
+    parser.add_argument("--config", default=DEFAULT_CONFIG,
+                        help=f"a config file, or the name of a shipped config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run directory's latest checkpoint (fresh start if none)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_intermixed_args(argv)
+    warnings.formatwarning = _one_line_warning  # e.g. a deprecated config value: one line
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        parser.exit(2, f"megatron-moe-train: config error: {e}\n")
+    if args.print_config:
+        sys.stdout.write(cfg.to_yaml())
+        return 0
+    try:
+        pretrain(cfg, resume=args.resume)
+    except (TrainError, ConfigError, FileNotFoundError, ValueError) as e:
+        # Bad input (config, data, checkpoint): one line that says what to change.
+        if os.environ.get("MEGATRON_MOE_DEBUG"):
+            raise
+        print(f"megatron-moe-train: error: {e} (MEGATRON_MOE_DEBUG=1 shows the traceback)",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The trainer's CLI with fault hooks set, for tests that run it as a subprocess (or under torchrun).
+
+    python tests/training/_hooked_train.py [--bf16-on-cpu] [--loss-factor 3:nan,4:inf]
+        [--pause-save STEP:SECONDS] -- TRAIN_ARGS...
+
+Each flag sets a field of ``megatron_moe.training.fault_hooks.hooks`` (see there), then
+``megatron_moe.training.train.main(TRAIN_ARGS)`` runs.
+"""
+import argparse
+import sys
+
+from megatron_moe.training.fault_hooks import hooks
+
+
+def _factors(text: str) -> dict[int, float]:
+    """'3,4:inf' -> {3: nan, 4: inf} (a bare step poisons with NaN)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        at, _, kind = item.partition(":")
+        out[int(at)] = float(kind or "nan")
+    return out
+
+
+def apply_hooks(argv: list[str]) -> list[str]:
+    """Set the hooks named in ``argv`` (up to ``--``, which torchrun drops: then the hook flags
+    are picked out of the arguments); returns the trainer's arguments."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bf16-on-cpu", action="store_true")
+    ap.add_argument("--loss-factor", type=_factors, default={})
+    ap.add_argument("--pause-save")
+    if "--" in argv:
+        cut = argv.index("--")
+        args, rest = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    else:
+        args, rest = ap.parse_known_args(argv)
+    hooks.bf16_on_cpu = args.bf16_on_cpu
+    hooks.loss_factor_at_step = args.loss_factor
+    if args.pause_save:
+        step, _, seconds = args.pause_save.partition(":")
+        hooks.pause_save = (int(step), float(seconds or 0))
+    return rest
+
+
+if __name__ == "__main__":
+    from megatron_moe.training.train import main
+
+    sys.exit(main(apply_hooks(sys.argv[1:])))
