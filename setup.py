@@ -3,12 +3,14 @@
     pip install .                      # the layer: torch + triton
     pip install ".[train]"             # + the Megatron integration and the training program
     pip install ".[train,wandb,plots]" # + Weights & Biases logging and run-comparison plots
-    pip install -c constraints.txt -e ".[train,test]"   # development (CI's versions)
+    pip install -c constraints.txt -e ".[train,wandb,plots,test]"   # development (CI's versions)
 """
 from setuptools import setup
 
-MEGATRON = ["megatron-core>=0.15.0,<0.17"]  # tested: 0.15.3, 0.16.0, 0.16.1 (tests/megatron)
-TRAIN = MEGATRON + ["numpy", "pyyaml", "sentencepiece", "tqdm"]
+# megatron-core: the releases the CPU suite passed with (0.16.0, 0.16.1); 0.15.x moves the rotary
+# embedding's table to CUDA on the CPU, 0.17+ has no Python 3.11 wheels.
+MEGATRON = ["megatron-core>=0.16.0,<0.17", "pyyaml"]
+TRAIN = MEGATRON + ["numpy", "sentencepiece", "tqdm"]
 
 setup(
     name="megatron-moe",

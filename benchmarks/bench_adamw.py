@@ -91,7 +91,7 @@ def main():
     ms = _time(lambda: dst.copy_(big), args.reps)
     rows.append({"name": "copy 2 GB (read + write)", "ms": round(ms, 3), "GB/s": round(2 * big.numel() * 4 / ms / 1e6, 1)})
     print(f"{'copy 2 GB (read + write)':34s} {ms:8.3f} ms {rows[-1]['GB/s']:8.1f} GB/s")
-    del big, dst
+    big = dst = None  # free the 4 GB
 
     print(f"{len(masters)} parameters, {n / 1e9:.2f}B elements ({args.layers} layers)")
     # the unfused sequence, through torch.optim.AdamW(fused=True)
@@ -105,7 +105,7 @@ def main():
 
     report("unfused: mul + torch fused + copy", _time(unfused, args.reps), 42, _host_ms(unfused, args.reps))
     report("  torch fused AdamW alone", _time(ref.step, args.reps), 28)
-    del ref
+    ref = None  # free its state (m, v)
     torch.cuda.empty_cache()
 
     # the kernel alone, each launch shape
@@ -127,7 +127,7 @@ def main():
             report(f"fused kernel block {block} warps {warps}", t, 30)
             if best is None or t < best[0]:
                 best = (t, block, warps)
-    del ms_, vs_
+    ms_ = vs_ = None
     torch.cuda.empty_cache()
     # the optimizer object (default launch shape): GPU and host time per step
     opt = AdamW([{"params": masters, "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8)

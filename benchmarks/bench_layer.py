@@ -1,15 +1,20 @@
 """Layer benchmark: forward + backward of one MoE layer in bf16 on a GPU.
 
-    python benchmarks/bench_layer.py                       # all configs, all providers
-    python benchmarks/bench_layer.py --configs paper-moe-m --providers dense,grouped
+    python benchmarks/bench_layer.py                       # all configs, the default providers
+    python benchmarks/bench_layer.py --configs paper-moe-m --providers dense,triton_grouped
     python benchmarks/bench_layer.py --out benchmarks/results/h100.json
     python benchmarks/bench_layer.py --timing eager,graph  # also replays of a CUDA graph of each step
 
 Providers:
-  dense            a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
-  torch_grouped_mm sort -> torch._grouped_mm -> gelu -> torch._grouped_mm -> unsort (same router)
-  blocksparse, grouped, grouped_mm, capacity (capacity_factor 1): DroplessMoE with that mlp_impl
-  grouped_recompute (not run by default): grouped with recompute_activation (one saved [N, F] tensor)
+  dense             a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
+  plain_grouped_mm  the plain PyTorch baseline: sort -> torch._grouped_mm -> gelu ->
+                    torch._grouped_mm -> unsort (the same router)
+  triton_grouped, torch_grouped_mm, blocksparse, capacity (capacity_factor 1):
+                    DroplessMoE with that mlp_impl
+  triton_grouped_recompute (not run by default): triton_grouped with recompute_activation
+                    (one saved [N, F] tensor)
+The old names grouped, grouped_mm and grouped_recompute are still accepted (with a notice).
+(torch_grouped_mm used to name the baseline; it now names the mlp_impl, as everywhere else.)
 
 Every MoE provider runs the whole layer (router, metadata, experts, combine). TFLOP/s counts
 useful expert FLOPs only, 12 * tokens * top_k * hidden * ffn (three GEMMs of 2*T*K*H*F each for
@@ -40,7 +45,25 @@ CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k)
     "mixtral-ish": (8192, 4096, 14336, 8, 2),
     "dmoe-small": (32768, 768, 3072, 64, 1),  # configs/dmoe-small.yaml at micro-batch 32 (training)
 }
-PROVIDERS = ["dense", "torch_grouped_mm", "blocksparse", "grouped", "grouped_mm", "capacity"]
+PROVIDERS = ["dense", "plain_grouped_mm", "blocksparse", "triton_grouped", "torch_grouped_mm", "capacity"]
+"""The providers run by default; triton_grouped_recompute runs when asked for."""
+ALL_PROVIDERS = PROVIDERS + ["triton_grouped_recompute"]
+OLD_PROVIDER_NAMES = {"grouped": "triton_grouped", "grouped_mm": "torch_grouped_mm",
+                      "grouped_recompute": "triton_grouped_recompute"}
+
+
+def canonical_providers(names: str) -> list[str]:
+    """The providers of a comma-separated list, old names replaced by the current ones (with a
+    notice on stderr); an unknown name exits with the valid ones."""
+    out = []
+    for name in names.split(","):
+        if name in OLD_PROVIDER_NAMES:
+            print(f"provider {name!r} is now called {OLD_PROVIDER_NAMES[name]!r}", file=sys.stderr)
+            name = OLD_PROVIDER_NAMES[name]
+        if name not in ALL_PROVIDERS:
+            sys.exit(f"unknown provider {name!r}: expected one of {', '.join(ALL_PROVIDERS)}")
+        out.append(name)
+    return out
 
 
 class DenseMLP(torch.nn.Module):
@@ -53,8 +76,9 @@ class DenseMLP(torch.nn.Module):
         return F.gelu(x @ self.w1, approximate="tanh") @ self.w2
 
 
-class GroupedMMMoE(torch.nn.Module):
-    """The common pure-PyTorch dropless baseline: sort tokens, torch._grouped_mm, unsort."""
+class PlainGroupedMMMoE(torch.nn.Module):
+    """The common pure-PyTorch dropless baseline: sort tokens, torch._grouped_mm, unsort (the
+    layer's router and weights, none of its kernels)."""
 
     def __init__(self, moe):
         super().__init__()
@@ -83,12 +107,12 @@ def build(provider, tokens, hidden, ffn, experts, top_k, device):
 
     if provider == "dense":
         return DenseMLP(hidden, ffn * top_k).to(device, torch.bfloat16)
-    impl = "grouped" if provider in ("torch_grouped_mm", "grouped_recompute") else provider
+    impl = "triton_grouped" if provider in ("plain_grouped_mm", "triton_grouped_recompute") else provider
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
                     activation="gelu", mlp_impl=impl, capacity_factor=1.0, aux_loss_coeff=0.01,
-                    recompute_activation=provider == "grouped_recompute")
+                    recompute_activation=provider == "triton_grouped_recompute")
     moe = DroplessMoE(cfg).to(device, torch.bfloat16)
-    return GroupedMMMoE(moe) if provider == "torch_grouped_mm" else moe
+    return PlainGroupedMMMoE(moe) if provider == "plain_grouped_mm" else moe
 
 
 def make_step(provider, shape, device):
@@ -174,7 +198,8 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--providers", default=",".join(PROVIDERS),
+                    help=f"comma-separated, of {', '.join(ALL_PROVIDERS)} (default: all but the last)")
     ap.add_argument("--warmup-ms", type=float, default=100)
     ap.add_argument("--rep-ms", type=float, default=500)
     ap.add_argument("--timing", default="eager",
@@ -182,6 +207,7 @@ def main(argv=None):
                          "not the host's) or eager,graph")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    providers = canonical_providers(args.providers)
     if not torch.cuda.is_available():
         sys.exit("bench_layer.py needs a CUDA GPU")
     device = torch.device("cuda")
@@ -197,7 +223,7 @@ def main(argv=None):
     rows = []
     for name in args.configs.split(","):
         shape = CONFIGS[name]
-        for provider in args.providers.split(","):
+        for provider in providers:
             try:
                 new = bench_one(provider, shape, device, args.warmup_ms, args.rep_ms, timings)
             except Exception as e:  # keep going: one failing provider must not hide the others
@@ -213,9 +239,9 @@ def main(argv=None):
         if "tflops" in r and dense:
             r["vs_dense"] = r["tflops"] / dense["tflops"]
     print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}")
-    print(f"{'config':<14} {'provider':<17} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8}")
+    print(f"{'config':<14} {'provider':<24} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8}")
     for r in rows:
-        head = f"{r['config']:<14} {r['provider']:<17} {r['timing']:<6}"
+        head = f"{r['config']:<14} {r['provider']:<24} {r['timing']:<6}"
         if "error" in r:
             print(f"{head} ERROR {r['error'][:80]}")
         else:

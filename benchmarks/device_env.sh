@@ -1,7 +1,8 @@
-# Sourced by the device scripts (device_run.sh, multi_gpu.sh, train_ab.sh) from the repository
-# root: the environment a lent GPU machine needs, and helpers they share.
-# The machine has torch/triton/sentencepiece but no registry: megatron-core travels as a wheel in
-# .whl/, and the project is not pip-installed, so kernels/ and tools/ are mapped into megatron_moe by hand.
+# Sourced by the GPU scripts (device_run.sh, multi_gpu.sh, train_ab.sh) from the repository
+# root: run from a source checkout without `pip install` (kernels/ and tools/ mapped into
+# megatron_moe by symlinks, as setup.py maps them on install; PYTHONPATH=$PWD), and helpers they
+# share. Optional: wheels put in .whl/ (e.g. megatron-core, for a machine without a package
+# index) are installed into /tmp/site first. An installed megatron-moe works as well.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

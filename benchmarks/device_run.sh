@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: set up, run the GPU tests, the layer benchmark and (optionally)
+# One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
 #   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [quick]
 # TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
 # TRAIN_CONFIGS / TRAIN_OVERRIDES ('train') narrow a stage.
-# Set-up (megatron-core's wheel from .whl/, the kernels mapping): benchmarks/device_env.sh.
+# Set-up (optional wheels from .whl/, the kernels mapping): benchmarks/device_env.sh.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 stages=" $* "
@@ -14,13 +14,13 @@ summary=()
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
-    ${TESTS:-tests/test_layer.py tests/test_grouped.py tests/test_blocksparse.py tests/test_activation.py tests/test_metadata.py tests/test_model.py} \
+    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/megatron/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
 if [[ $stages == *" faults "* ]]; then
-  # tests/test_faults.py on the GPU: its training runs use CUDA there, plus its GPU-only cases
-  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/test_faults.py \
+  # tests/training/test_faults.py on the GPU: its training runs use CUDA there, plus its GPU-only cases
+  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/training/test_faults.py \
     2>&1 | tee "$OUT/gpu_faults.log" | tail -n 25
   summary+=("gpu faults: $(tail -n 1 "$OUT/gpu_faults.log")")
 fi

@@ -111,5 +111,5 @@ for name, r in sorted(rows.items(), key=lambda kv: (kv[1]["config"], kv[1]["gpus
     print(f"{name:<30} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
           f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f} {r['busiest']:>7.3f} {'-' if r['rank_imbalance'] is None else format(r['rank_imbalance'], '.2f'):>8}")
 EOF
-# one file to carry back (the device tool returns a limited number of files): TARBALL=1
+# everything in one archive, $OUT/multi_gpu.tgz, to copy back from a remote machine: TARBALL=1
 [[ "${TARBALL:-0}" == 1 ]] && tar czf "/tmp/multi_gpu.tgz" -C "$OUT" . && mv /tmp/multi_gpu.tgz "$OUT/"

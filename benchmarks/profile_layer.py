@@ -2,16 +2,16 @@
 
     python benchmarks/profile_layer.py                          # profile + sweep, all configs
     python benchmarks/profile_layer.py --configs paper-moe-m --no-sweep
-    python benchmarks/profile_layer.py --providers grouped_mm --no-gemms  # only the step profile
+    python benchmarks/profile_layer.py --providers torch_grouped_mm --no-gemms  # only the step profile
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
-    python benchmarks/profile_layer.py --cprofile --providers grouped   # host Python time per function
+    python benchmarks/profile_layer.py --cprofile --providers triton_grouped   # host Python time per function
     python benchmarks/profile_layer.py --configs dmoe-small --no-profile --no-sweep --skew 0.9 \
         --gemms-only "wgrad dw2 actT@dy[t] +=fp32"     # some GEMMs only, 90% of the tokens on expert 0
 
-Three views (the layer benchmark's configs and providers):
+Three views (the layer benchmark's configs and providers, bench_layer.py):
   1. profile: one step's kernels from torch.profiler (GPU time per kernel name, summed), the GPU
      busy time per step against the wall time per step (wall >> busy: the host is the limit);
-  2. gemms: the six grouped GEMMs of the grouped MLP timed one by one (autotuned), the weight
+  2. gemms: the six grouped GEMMs of the triton_grouped MLP timed one by one (autotuned), the weight
      gradients also accumulating into fp32 (training's gradient-accumulation fusion; through
      TMA's reduce-add, and "ldst": the kernel's own load-add-store), two
      ablations of the backward GEMM; beside them the same six on torch._grouped_mm (CUTLASS)
@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import CONFIGS, make_step  # noqa: E402
+from bench_layer import CONFIGS, canonical_providers, make_step  # noqa: E402
 
 
 def _bench(fn, warmup=25, rep=100):
@@ -87,7 +87,7 @@ def profile_provider(provider, shape, device, steps=5):
 
 
 def gemm_problems(shape, device, skew=0.0):
-    """The six grouped GEMMs of the gelu grouped MLP with a router-like random routing; ``skew``:
+    """The six grouped GEMMs of the gelu triton_grouped MLP with a router-like random routing; ``skew``:
     that fraction of the tokens sends its first choice to expert 0 (a collapsed router, as early
     in training)."""
     from megatron_moe.kernels.metadata import routing_metadata
@@ -309,7 +309,7 @@ def launch_overhead(device, n=200):
                 w.stride(0), w.stride(1), w.stride(2), out.stride(0), 0, 0)
 
     meta = dict(EPILOGUE="none", HAS_GATHER=True, HAS_SCATTER=False, HAS_SCALE=False, HAS_ACT_SCALE=False,
-                DOT_PRECISION="tf32", DOT_F32=False, FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT, W_TMA=False)
+                DOT_PRECISION="tf32", FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT, W_TMA=False)
     grid = (G.max_row_blocks(T, E, cfg.kwargs["BLOCK_M"]) * triton.cdiv(F, cfg.kwargs["BLOCK_N"]),)
     calls = {
         "grouped_gemm (public)": lambda: G.grouped_gemm(x, w, off, gather_S=tok),
@@ -366,7 +366,8 @@ def host_profile(provider, cname, shape, device, steps=50, top=25):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--providers", default="dense,torch_grouped_mm,grouped,blocksparse")
+    ap.add_argument("--providers", default="dense,plain_grouped_mm,triton_grouped,blocksparse",
+                    help="comma-separated layer benchmark providers (bench_layer.py)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-gemms", action="store_true", help="only the per-kernel profile of the providers' steps")
@@ -379,13 +380,14 @@ def main(argv=None):
     ap.add_argument("--cprofile", action="store_true",
                     help="host Python time of the providers' steps (cProfile, top functions), then exit")
     args = ap.parse_args(argv)
+    providers = canonical_providers(args.providers)
     device = torch.device("cuda")
     if args.launch:
         launch_overhead(device)
         return
     if args.cprofile:
         for cname in args.configs.split(","):
-            for prov in args.providers.split(","):
+            for prov in providers:
                 host_profile(prov, cname, CONFIGS[cname], device)
         return
     result = {}
@@ -394,7 +396,7 @@ def main(argv=None):
         res = result[cname] = {}
         if not args.no_profile:
             res["profile"] = []
-            for prov in args.providers.split(","):
+            for prov in providers:
                 row = profile_provider(prov, shape, device)
                 res["profile"].append(row)
                 print(f"[{cname}] {prov}: wall {row['wall_ms']:.2f} ms/step, enqueue {row['enqueue_ms']:.2f} ms, "

@@ -1,9 +1,11 @@
-"""Shared helpers of the Triton kernels: when to launch Triton, and small index math."""
+"""Shared helpers of the Triton kernels: when to launch Triton, the tile product, small index math."""
 from __future__ import annotations
 
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 
 def interpret_mode() -> bool:
@@ -24,3 +26,30 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def expert_segments(offsets_E1: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, start, end) of every expert with rows, from offsets [E+1]. Reads them on the
+    host: for the plain-PyTorch references, never on a kernel's path."""
+    bounds = offsets_E1.tolist()
+    return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: IEEE fp32 products for fp32 operands ("tf32" is ignored for
+    bf16/fp16, which multiply on the tensor cores)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# The interpreter's tl.dot mis-reads 16-bit operands (Triton 3.9): there, dot in fp32 instead.
+# (Fixed for the process: triton.jit chooses the interpreter when a kernel is defined.)
+UPCAST_DOT = tl.constexpr(interpret_mode())
+
+
+@triton.jit
+def dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ b, accumulated in fp32 (under the interpreter, from fp32 copies of a and b)."""
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)

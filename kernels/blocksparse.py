@@ -13,7 +13,8 @@ data[1, z], whatever F is). Columns past F in a last partial block are zero, and
 blocks (row index -1): every kernel below writes its whole output.
 
   sdd   A [P_max, K] x W [E, K, G*F]  -> S [G, Z, B, B]   block z = A[rows of r] @ W[e][:, cols of j]
-        (optional fused epilogue: GELU (tanh), or SwiGLU over the two groups)
+        (optional fused epilogue: GELU (tanh), or SwiGLU over the two groups; the activation
+        math is kernels/activation.py's, shared with the other kernels)
   sdd_activation_grad  the same product (dact = dY @ W restricted to S) times the activation's
         derivative at the saved pre-activation: the SDD of the backward.
   dsd   S [G, Z, B, B] x W [E, G*F, N] -> [P_max, N]      row block r sums its G*Fb blocks
@@ -29,23 +30,18 @@ take arbitrary strides, so transposed weights (w1ᵀ, w2ᵀ) are views. Accumula
 fp32 inputs multiply in IEEE fp32 (``input_precision="ieee"``), bf16/fp16 on the tensor cores.
 Addresses are int64 wherever a row times a stride can pass 2^31. On the GPU each kernel is
 autotuned per shape (first call of a shape: seconds); MEGATRON_MOE_AUTOTUNE=0 takes each
-kernel's first (default) config instead.
+kernel's first (default) config instead (kernels/switches.py).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpret_mode, use_triton
+from . import switches
+from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
+from .activation import ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_bwd, swiglu_bwd
 from .metadata import Topology
-
-ACTIVATIONS = {None: 0, "gelu": 1, "swiglu": 2}
-
-# The interpreter's tl.dot mis-reads bf16 operands (Triton 3.9): there, dot in fp32 instead.
-_UPCAST_DOT = tl.constexpr(interpret_mode())
 
 # ----------------------------------------------------------------------------------------------
 # Autotune configurations
@@ -84,49 +80,49 @@ def _tsd_configs():  # (BLOCK_N, BLOCK_P): tile [B, BLOCK_N], BLOCK_P chunks the
 
 def _prune_to_block(name):
     """Drop configs whose reduction chunk ``name`` exceeds the block size B (chunks must divide B);
-    with MEGATRON_MOE_AUTOTUNE=0 (read at each new tuning key) keep only the first that fits."""
+    with MEGATRON_MOE_AUTOTUNE=0 keep only the first that fits."""
 
     def prune(configs, named_args, **kwargs):
         B = {**named_args, **kwargs}["B"]
         kept = [c for c in configs if c.kwargs[name] <= B]
         kept = kept or [triton.Config({**configs[0].kwargs, name: B}, num_warps=4, num_stages=3)]
-        return kept[:1] if os.environ.get("MEGATRON_MOE_AUTOTUNE", "1") == "0" else kept
+        return switches.tuning_candidates(kept)
 
     return {"early_config_prune": prune}
 
 
 # ----------------------------------------------------------------------------------------------
-# Activation epilogues (fp32 in, fp32 out)
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _gelu(x):
-    # 0.5 * x * (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3)
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return x * tl.sigmoid(2.0 * u)
-
-
-@triton.jit
-def _gelu_grad(x):
-    # d/dx [x * s], s = sigmoid(2u): s + 2 x s (1 - s) u'
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    s = tl.sigmoid(2.0 * u)
-    du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    return s + 2.0 * x * s * (1.0 - s) * du
-
-
-@triton.jit
-def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
-    if _UPCAST_DOT:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-
-
-# ----------------------------------------------------------------------------------------------
 # SDD: dense x dense -> block sparse (+ activation epilogue, forward or backward)
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sdd_forward_epilogue(acc, acc_up, c_ptr, h_ptr, offs_blk, stride_g, ACTIVATION: tl.constexpr):
+    """c = act(acc) ('none': acc itself) and h = the pre-activation (swiglu: acc, and acc_up one
+    group further)."""
+    out_ty = c_ptr.dtype.element_ty
+    if ACTIVATION == "none":
+        tl.store(c_ptr + offs_blk, acc.to(out_ty))
+    else:
+        tl.store(h_ptr + offs_blk, acc.to(out_ty))
+        if ACTIVATION == "swiglu":
+            tl.store(h_ptr + stride_g + offs_blk, acc_up.to(out_ty))
+        tl.store(c_ptr + offs_blk, activation_fwd(acc, acc_up, ACTIVATION, False).to(out_ty))
+
+
+@triton.jit
+def _sdd_backward_epilogue(acc, valid, c_ptr, h_ptr, offs_blk, stride_g, ACTIVATION: tl.constexpr):
+    """c = dL/dh from acc = dL/d act and the saved pre-activation h ('none': acc itself; swiglu:
+    d gate, and d up one group further). An unused block's h may be garbage: it is read as 0."""
+    if ACTIVATION == "none":
+        tl.store(c_ptr + offs_blk, acc.to(c_ptr.dtype.element_ty))
+    elif ACTIVATION == "gelu":
+        h = tl.where(valid, tl.load(h_ptr + offs_blk).to(tl.float32), 0.0)
+        gelu_bwd(h, acc, c_ptr + offs_blk, None, False)
+    else:
+        gate = tl.where(valid, tl.load(h_ptr + offs_blk).to(tl.float32), 0.0)
+        up = tl.where(valid, tl.load(h_ptr + stride_g + offs_blk).to(tl.float32), 0.0)
+        swiglu_bwd(gate, up, acc, c_ptr + offs_blk, stride_g, None, False, G_GATE_FIRST=True)
 
 
 @triton.autotune(configs=_sdd_configs(), key=["K", "F", "B", "ACTIVATION", "BACKWARD"],
@@ -140,11 +136,13 @@ def _sdd_kernel(
     # strides (block data is contiguous [G, Z, B, B]; stride_g is its group stride)
     stride_am, stride_ak, stride_we, stride_wk, stride_wf, stride_g,
     # meta-parameters
-    B: tl.constexpr, ACTIVATION: tl.constexpr, BACKWARD: tl.constexpr,
+    B: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # "none", "gelu" or "swiglu"
+    BACKWARD: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Forward:  c = act(A @ W) on block z, h = the pre-activation (swiglu: h[0] gate, h[1] up).
-    Backward: c = (A @ W) * act'(h) (swiglu: c[0] d gate, c[1] d up); ACTIVATION 0 has no h."""
+    Backward: c = (A @ W) * act'(h) (swiglu: c[0] d gate, c[1] d up); 'none' has no h."""
     z = tl.program_id(0).to(tl.int64)
     r = tl.load(row_indices_ptr + z).to(tl.int64)
     col = tl.load(column_indices_ptr + z).to(tl.int64)
@@ -169,38 +167,19 @@ def _sdd_kernel(
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_f[None, :], other=0.0)
-        acc = _dot(a, w, acc, INPUT_PRECISION)
-        if ACTIVATION == 2:
+        acc = dot(a, w, acc, INPUT_PRECISION)
+        if ACTIVATION == "swiglu":
             if not BACKWARD:  # SwiGLU forward: the up half starts F columns right of the gate half
                 w_up = tl.load(w_ptrs + F * stride_wf, mask=mask_k[:, None] & mask_f[None, :], other=0.0)
-                acc_up = _dot(a, w_up, acc_up, INPUT_PRECISION)
+                acc_up = dot(a, w_up, acc_up, INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
 
     offs_blk = z * (B * B) + offs_b[:, None] * B + offs_b[None, :]
-    out_ty = c_ptr.dtype.element_ty
-    if not BACKWARD:
-        if ACTIVATION == 0:
-            tl.store(c_ptr + offs_blk, acc.to(out_ty))
-        elif ACTIVATION == 1:
-            tl.store(h_ptr + offs_blk, acc.to(out_ty))
-            tl.store(c_ptr + offs_blk, _gelu(acc).to(out_ty))
-        else:
-            tl.store(h_ptr + offs_blk, acc.to(out_ty))
-            tl.store(h_ptr + stride_g + offs_blk, acc_up.to(out_ty))
-            tl.store(c_ptr + offs_blk, (acc * tl.sigmoid(acc) * acc_up).to(out_ty))
+    if BACKWARD:
+        _sdd_backward_epilogue(acc, valid, c_ptr, h_ptr, offs_blk, stride_g, ACTIVATION)
     else:
-        if ACTIVATION == 0:
-            tl.store(c_ptr + offs_blk, acc.to(out_ty))
-        elif ACTIVATION == 1:
-            h = tl.where(valid, tl.load(h_ptr + offs_blk).to(tl.float32), 0.0)  # unused: pre may be garbage
-            tl.store(c_ptr + offs_blk, (acc * _gelu_grad(h)).to(out_ty))
-        else:
-            g = tl.where(valid, tl.load(h_ptr + offs_blk).to(tl.float32), 0.0)
-            u = tl.where(valid, tl.load(h_ptr + stride_g + offs_blk).to(tl.float32), 0.0)
-            sg = tl.sigmoid(g)
-            tl.store(c_ptr + offs_blk, (acc * u * sg * (1.0 + g * (1.0 - sg))).to(out_ty))
-            tl.store(c_ptr + stride_g + offs_blk, (acc * g * sg).to(out_ty))
+        _sdd_forward_epilogue(acc, acc_up, c_ptr, h_ptr, offs_blk, stride_g, ACTIVATION)
 
 
 def _sdd_launch(a, w, c, h, topology: Topology, activation, backward):
@@ -211,8 +190,8 @@ def _sdd_launch(a, w, c, h, topology: Topology, activation, backward):
         a, w, c, h_arg, topology.row_indices_Z, topology.column_indices_Z,
         a.shape[1], topology.num_columns, topology.blocks_per_row,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), Z * B * B,
-        B=B, ACTIVATION=ACTIVATIONS[activation], BACKWARD=backward,
-        INPUT_PRECISION=_input_precision(a),
+        B=B, ACTIVATION=activation or "none", BACKWARD=backward,
+        INPUT_PRECISION=input_precision(a.dtype),
     )
 
 
@@ -277,7 +256,7 @@ def _dsd_kernel(
         f = j * B + off + offs_k
         w = tl.load(w_ptr + e * stride_we + (grp * F + f)[:, None] * stride_wf + offs_n[None, :] * stride_wn,
                     mask=(f < F)[:, None] & mask_n[None, :], other=0.0)
-        acc = _dot(s, w, acc, INPUT_PRECISION)
+        acc = dot(s, w, acc, INPUT_PRECISION)
 
     offs_m = r * B + offs_b
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
@@ -295,7 +274,7 @@ def dsd_triton(s, w_EFN, topology: Topology, out=None):
         s_GZBB, w_EFN, out, topology.column_indices_Z,
         N, topology.num_columns, topology.blocks_per_row, G,
         s_GZBB.stride(0), w_EFN.stride(0), w_EFN.stride(1), w_EFN.stride(2), out.stride(0), out.stride(1),
-        B=B, INPUT_PRECISION=_input_precision(s),
+        B=B, INPUT_PRECISION=input_precision(s.dtype),
     )
     return out
 
@@ -338,7 +317,7 @@ def _dds_kernel(
         rows = r * B + off + offs_p
         a_t = tl.load(a_ptr + offs_m[:, None] * stride_am + rows[None, :] * stride_ap, mask=mask_m[:, None], other=0.0)
         s = tl.load(s_ptr + grp * stride_sg + z * (B * B) + (off + offs_p)[:, None] * B + offs_b[None, :])
-        acc = _dot(a_t, s, acc, INPUT_PRECISION)
+        acc = dot(a_t, s, acc, INPUT_PRECISION)
 
     f = j * B + offs_b
     tl.store(c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + (grp * F + f)[None, :] * stride_cf,
@@ -356,7 +335,7 @@ def dds_triton(a_PM, s, topology: Topology, out=None):
         a_PM, s_GZBB, out, topology.row_indices_Z, topology.offsets_t_C1, topology.block_offsets_t_Z,
         M, F, topology.blocks_per_row, C,
         a_PM.stride(0), a_PM.stride(1), s_GZBB.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        B=B, INPUT_PRECISION=_input_precision(a_PM),
+        B=B, INPUT_PRECISION=input_precision(a_PM.dtype),
     )
     return out
 
@@ -399,7 +378,7 @@ def _tsd_kernel(
         s_t = tl.load(s_ptr + grp * stride_sg + z * (B * B) + offs_b[:, None] + (off + offs_p)[None, :] * B)
         rows = r * B + off + offs_p
         d = tl.load(d_ptr + rows[:, None] * stride_dp + offs_n[None, :] * stride_dn, mask=mask_n[None, :], other=0.0)
-        acc = _dot(s_t, d, acc, INPUT_PRECISION)
+        acc = dot(s_t, d, acc, INPUT_PRECISION)
 
     f = j * B + offs_b
     tl.store(c_ptr + e * stride_ce + (grp * F + f)[:, None] * stride_cf + offs_n[None, :] * stride_cn,
@@ -417,7 +396,7 @@ def tsd_triton(s, d_PN, topology: Topology, out=None):
         s_GZBB, d_PN, out, topology.row_indices_Z, topology.offsets_t_C1, topology.block_offsets_t_Z,
         N, F, topology.blocks_per_row, C,
         s_GZBB.stride(0), d_PN.stride(0), d_PN.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        B=B, INPUT_PRECISION=_input_precision(s),
+        B=B, INPUT_PRECISION=input_precision(s.dtype),
     )
     return out
 
@@ -431,35 +410,23 @@ def tsd_triton(s, d_PN, topology: Topology, out=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def _expert_ranges(topology: Topology):
-    offsets = topology.routing.padded_offsets_E1.tolist()
-    return [(e, offsets[e], offsets[e + 1]) for e in range(len(offsets) - 1) if offsets[e + 1] > offsets[e]]
-
-
 def _blocks_to_rows(s_GZBB, topology: Topology, start: int, end: int) -> torch.Tensor:
-    """Blocks of rows start..end -> dense [G, end - start, F]."""
+    """Blocks of rows start..end -> dense [end - start, G*F], group-major columns."""
     G, _, B, _ = s_GZBB.shape
     Fb, F = topology.blocks_per_row, topology.num_columns
     blocks = s_GZBB[:, start // B * Fb:end // B * Fb]
     dense = blocks.reshape(G, (end - start) // B, Fb, B, B).permute(0, 1, 3, 2, 4)
-    return dense.reshape(G, end - start, Fb * B)[:, :, :F]
+    return dense.reshape(G, end - start, Fb * B)[:, :, :F].transpose(0, 1).reshape(end - start, G * F)
 
 
-def _rows_to_blocks(dense_GMF, out_GZBB, topology: Topology, start: int, end: int) -> None:
-    """Dense [G, end - start, F] -> the blocks of rows start..end (columns past F zero)."""
-    G, M, F = dense_GMF.shape
+def _rows_to_blocks(dense_MX, out_GZBB, topology: Topology, start: int, end: int) -> None:
+    """Dense [end - start, G*F] (group-major columns) -> the blocks of rows start..end of the G
+    groups of out_GZBB (columns past F zero)."""
+    G, M, F = out_GZBB.shape[0], end - start, topology.num_columns
     B, Fb = topology.block_size, topology.blocks_per_row
-    padded = torch.nn.functional.pad(dense_GMF, (0, Fb * B - F))
+    padded = torch.nn.functional.pad(dense_MX.view(M, G, F).transpose(0, 1), (0, Fb * B - F))
     blocks = padded.reshape(G, M // B, B, Fb, B).permute(0, 1, 3, 2, 4).reshape(G, M // B * Fb, B, B)
     out_GZBB[:, start // B * Fb:end // B * Fb] = blocks.to(out_GZBB.dtype)
-
-
-def _activation_reference(pre_GMF, activation):
-    if activation is None:
-        return pre_GMF[0]
-    if activation == "gelu":
-        return torch.nn.functional.gelu(pre_GMF[0], approximate="tanh")
-    return torch.nn.functional.silu(pre_GMF[0]) * pre_GMF[1]
 
 
 def sdd_reference(a_PK, w_EKF, topology: Topology, activation=None, out=None):
@@ -467,32 +434,23 @@ def sdd_reference(a_PK, w_EKF, topology: Topology, activation=None, out=None):
     act.zero_()
     if pre is not None:
         pre.zero_()
-    G = 2 if activation == "swiglu" else 1
-    F = topology.num_columns
-    for e, s, t in _expert_ranges(topology):
-        h = (a_PK[s:t].float() @ w_EKF[e].float()).view(t - s, G, F).transpose(0, 1)
-        _rows_to_blocks(_activation_reference(h, activation)[None], _grouped(act), topology, s, t)
+    for e, s, t in expert_segments(topology.routing.padded_offsets_E1):
+        h_MX = a_PK[s:t].float() @ w_EKF[e].float()  # swiglu: [gate | up]
+        _rows_to_blocks(h_MX if activation is None else activate(h_MX, activation), _grouped(act), topology, s, t)
         if pre is not None:
-            _rows_to_blocks(h, _grouped(pre), topology, s, t)
+            _rows_to_blocks(h_MX, _grouped(pre), topology, s, t)
     return act if activation is None else (act, pre)
 
 
 def sdd_activation_grad_reference(dy_PN, w_ENF, topology: Topology, pre, activation, out=None):
     d_pre = torch.zeros_like(pre) if out is None else out.zero_()
-    for e, s, t in _expert_ranges(topology):
-        dact = dy_PN[s:t].float() @ w_ENF[e].float()
-        h = _blocks_to_rows(_grouped(pre), topology, s, t).float()
+    for e, s, t in expert_segments(topology.routing.padded_offsets_E1):
+        dact_MF = dy_PN[s:t].float() @ w_ENF[e].float()
         if activation is None:
-            grads = dact[None]
-        elif activation == "gelu":
-            with torch.enable_grad():
-                x = h[0].detach().requires_grad_()
-                (grad,) = torch.autograd.grad(torch.nn.functional.gelu(x, approximate="tanh"), x, dact)
-            grads = grad[None]
+            dh_MX = dact_MF
         else:
-            sg = torch.sigmoid(h[0])
-            grads = torch.stack([dact * h[1] * sg * (1 + h[0] * (1 - sg)), dact * h[0] * sg])
-        _rows_to_blocks(grads, _grouped(d_pre), topology, s, t)
+            dh_MX, _ = activation_bwd_reference(_blocks_to_rows(_grouped(pre), topology, s, t), dact_MF, activation)
+        _rows_to_blocks(dh_MX, _grouped(d_pre), topology, s, t)
     return d_pre
 
 
@@ -500,9 +458,8 @@ def dsd_reference(s, w_EFN, topology: Topology, out=None):
     s_GZBB = _grouped(s)
     P, N = topology.routing.max_padded_rows, w_EFN.shape[2]
     out = torch.zeros(P, N, dtype=s.dtype, device=s.device) if out is None else out.zero_()
-    for e, start, end in _expert_ranges(topology):
-        dense = _blocks_to_rows(s_GZBB, topology, start, end).float()  # [G, M, F]
-        dense = dense.transpose(0, 1).reshape(end - start, -1)  # [M, G*F], group-major columns
+    for e, start, end in expert_segments(topology.routing.padded_offsets_E1):
+        dense = _blocks_to_rows(s_GZBB, topology, start, end).float()  # [M, G*F]
         out[start:end] = (dense @ w_EFN[e].float()).to(out.dtype)
     return out
 
@@ -512,8 +469,8 @@ def dds_reference(a_PM, s, topology: Topology, out=None):
     G = s_GZBB.shape[0]
     E, M, F = topology.routing.num_experts, a_PM.shape[1], topology.num_columns
     out = torch.zeros(E, M, G * F, dtype=a_PM.dtype, device=a_PM.device) if out is None else out.zero_()
-    for e, start, end in _expert_ranges(topology):
-        dense = _blocks_to_rows(s_GZBB, topology, start, end).float().transpose(0, 1).reshape(end - start, -1)
+    for e, start, end in expert_segments(topology.routing.padded_offsets_E1):
+        dense = _blocks_to_rows(s_GZBB, topology, start, end).float()
         out[e] = (a_PM[start:end].float().t() @ dense).to(out.dtype)
     return out
 
@@ -523,8 +480,8 @@ def tsd_reference(s, d_PN, topology: Topology, out=None):
     G = s_GZBB.shape[0]
     E, N, F = topology.routing.num_experts, d_PN.shape[1], topology.num_columns
     out = torch.zeros(E, G * F, N, dtype=d_PN.dtype, device=d_PN.device) if out is None else out.zero_()
-    for e, start, end in _expert_ranges(topology):
-        dense = _blocks_to_rows(s_GZBB, topology, start, end).float().transpose(0, 1).reshape(end - start, -1)
+    for e, start, end in expert_segments(topology.routing.padded_offsets_E1):
+        dense = _blocks_to_rows(s_GZBB, topology, start, end).float()
         out[e] = (dense.t() @ d_PN[start:end].float()).to(out.dtype)
     return out
 
@@ -605,18 +562,15 @@ def tsd(s, d_PN, topology: Topology, out=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def _input_precision(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"  # ignored for bf16/fp16 (tensor cores)
-
-
 def _grouped(s: torch.Tensor) -> torch.Tensor:
     """Block data as [G, Z, B, B] (a [Z, B, B] tensor is one group)."""
     return s[None] if s.dim() == 3 else s
 
 
 def _check_activation(activation) -> int:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is invalid: expected one of {list(ACTIVATIONS)}")
+    """The pre-activation's groups (2 for swiglu: gate, up) of a valid activation (or None)."""
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is invalid: expected None or one of {list(ACTIVATIONS)}")
     return 2 if activation == "swiglu" else 1
 
 

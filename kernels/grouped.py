@@ -2,14 +2,16 @@
 
 Rows are grouped by expert: sorted position s belongs to expert e when
 ``offsets_E1[e] <= s < offsets_E1[e + 1]`` (``Routing.expert_offsets_E1``; its last entry is
-S, or less when the rows past it are padding: nothing is computed or written for them). Two kernels, each with a launcher and a plain-PyTorch reference:
+S, or less when the rows past it are padding: nothing is computed or written for them). Two
+kernels, each with a launcher and a plain-PyTorch reference:
 
 * :func:`grouped_gemm` (row-grouped):  out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[e])
   Epilogues: none; 'gelu' / 'swiglu' (writes the pre-activation and the activation, the latter
   optionally times act_scale(s)); 'dgelu' / 'dswiglu' (backward: the GEMM result is
   g = dL/d(act); reads the saved pre-activation, writes dL/d(pre) scaled by scale(s), in place
   over the pre-activation if asked, and reduces Σ_n g·act per row, the gradient of the router
-  weight, recomputing act). See :func:`grouped_gemm_dact`.
+  weight, recomputing act). See :func:`grouped_gemm_dact`. The activation math is
+  kernels/activation.py's, shared with the other kernels.
 * :func:`grouped_wgrad`: dw[e] = Σ_{s in e} A(s)ᵀ · (scale(s) · b[gb(s)])  (empty experts: 0), with
   A(s) = a[ga(s)] or the activation recomputed from a saved pre-activation (its prologue).
   Accumulating into an fp32 gradient (out += dw), on sm_90+ the addition may be the tensor-memory
@@ -22,7 +24,8 @@ exiting, or (PERSISTENT configs) a grid of one or two programs per SM that walk 
 flattened loop, so one tile's epilogue overlaps the next tile's loads. Either way each tile
 finds its expert on the device (cumsum of the per-expert tile counts); nothing is read back to
 the host. Transposed weights (the backward's w1ᵀ, w2ᵀ) are read through a tensor descriptor on
-sm_90+ (``w_tma_ok``), the token rows always through pointers (the gather).
+sm_90+ (``w_tma_ok``), the token rows always through pointers (the gather). The environment's
+A/B switches (MEGATRON_MOE_AUTOTUNE, _PERSISTENT, _TMA_ADD, _W_TMA) are kernels/switches.py's.
 
 Legend (shape suffixes). In this file N is a GEMM's output width; the S sorted positions are
 metadata.py's N assignments:
@@ -33,11 +36,8 @@ metadata.py's N assignments:
 from __future__ import annotations
 
 import functools
-import math
-import os
 
 import torch
-import torch.nn.functional as F_
 import triton
 import triton.language as tl
 
@@ -47,33 +47,35 @@ try:  # host-side TMA descriptors and their reduce-add (Triton 3.4+); without th
 except (ImportError, AttributeError):
     TensorDescriptor, _HAS_TMA_ADD = None, False
 
-from ._common import cdiv, interpret_mode, use_triton
+from . import switches
+from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
+from .activation import ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_bwd, swiglu_bwd
 from .metadata import max_row_blocks
 
-EPILOGUES = (None, "gelu", "swiglu")
-_GELU_C = math.sqrt(2.0 / math.pi)
+EPILOGUES = (None, *ACTIVATIONS)
+"""The forward epilogues (``activation`` of :func:`grouped_gemm`): none or an activation."""
 
 
 # ----------------------------------------------------------------------------------------------
-# Autotune configs (one small config under the interpreter: benchmarking there is far too slow;
-# MEGATRON_MOE_AUTOTUNE=0 keeps only the first GPU config, e.g. for quick GPU test runs;
-# MEGATRON_MOE_PERSISTENT=0 drops the persistent configs of the row-grouped GEMM)
+# Autotune configs. Under the interpreter one small config (benchmarking there is far too slow).
+# The A/B switches (kernels/switches.py): MEGATRON_MOE_AUTOTUNE=0 and MEGATRON_MOE_PERSISTENT=0
+# shorten the config lists when this module is imported, so that a single config never goes
+# through the autotuner (some Triton versions benchmark even one config: host syncs, and
+# repeated in-place launches); MEGATRON_MOE_TMA_ADD is read by the prune function at each new
+# tuning key.
 # ----------------------------------------------------------------------------------------------
-
-
-def _single_config() -> bool:
-    return os.environ.get("MEGATRON_MOE_AUTOTUNE", "1") == "0"
 
 
 def _gemm_configs() -> list[triton.Config]:
+    """The row-grouped GEMM's configs (MEGATRON_MOE_AUTOTUNE=0: the first alone;
+    MEGATRON_MOE_PERSISTENT=0: no persistent ones)."""
     if interpret_mode():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PREFETCH": 0, "PERSISTENT": 0},
                               num_warps=4, num_stages=1)]
-    # H100 sweep (benchmarks/profile_layer.py, notes in benchmarks/NOTES.md): 128x256x64 with 8 warps
-    # and 4 stages leads the plain and gelu epilogues; the backward epilogues want <= 128x128
-    # (register pressure), some with the pre-activation loaded before the main loop.
-    # PERSISTENT p > 0: p programs per SM loop over the tiles (the next tile's loads overlap
-    # this tile's epilogue), 0: one program per tile.
+    # Large tiles (128x256) serve the plain and gelu epilogues; the backward epilogues want
+    # <= 128x128 (register pressure), some with the pre-activation loaded before the main loop
+    # (PREFETCH). PERSISTENT p > 0: p programs per SM loop over the tiles (the next tile's loads
+    # overlap this tile's epilogue), 0: one program per tile. Measured: see docs/performance.md.
     shapes = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT[, maxnreg]
         (64, 64, 64, 4, 4, 0, 0),
         (64, 128, 64, 4, 4, 0, 0),
@@ -92,14 +94,14 @@ def _gemm_configs() -> list[triton.Config]:
         (128, 128, 64, 8, 3, 1, 1),
         (128, 128, 64, 4, 3, 0, 2),
         (64, 128, 64, 4, 4, 0, 2),
-        # registers capped at 168 so three programs share an SM (uncapped, the backward activation
-        # epilogue takes ~250, two per SM): while one runs its epilogue the others keep the tensor
-        # cores busy; 96 bytes of spills (dgelu at dmoe-small: 0.619 -> 0.571 ms on an H100)
+        # registers capped so three programs share an SM (uncapped, the backward activation
+        # epilogue fits two): while one runs its epilogue the others keep the tensor cores busy,
+        # for a few spilled bytes
         (64, 128, 64, 4, 3, 0, 0, 168),
     ]
-    if os.environ.get("MEGATRON_MOE_PERSISTENT", "1") == "0":  # A/B: one program per tile only
+    if not switches.persistent():
         shapes = [c for c in shapes if not c[6]]
-    return [_gemm_config(*c) for c in (shapes[:1] if _single_config() else shapes)]
+    return [_gemm_config(*c) for c in switches.tuning_candidates(shapes)]
 
 
 def _gemm_config(block_m, block_n, block_k, warps, stages, prefetch, persistent, maxnreg=None) -> triton.Config:
@@ -113,63 +115,6 @@ def _size_w_desc(nargs) -> None:
     """Config pre-hook: the weight's tensor descriptor (W_TMA) moves one [1, BLOCK_N, BLOCK_K] box."""
     if nargs.get("W_TMA"):
         nargs["w_ptr"].block_shape = [1, nargs["BLOCK_N"], nargs["BLOCK_K"]]
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    """Streaming multiprocessors of a CUDA device (the persistent grid); 4 under the interpreter."""
-    if device_index is None:
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _wgrad_configs() -> list[triton.Config]:
-    if interpret_mode():
-        return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16, "TMA_ADD": False}, num_warps=4,
-                              num_stages=1)]
-    # few rows per expert make the reduction short: fewer stages let two programs share an SM (and
-    # overlap one's store with the other's loads; a persistent schedule measured no better)
-    shapes = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
-        (64, 64, 64, 4, 4),
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 4, 4),
-        (128, 128, 64, 4, 3),
-        (128, 128, 64, 4, 2),
-        (128, 256, 64, 8, 3),
-        (64, 128, 64, 4, 3),
-        (128, 64, 64, 4, 3),
-    ]
-    # each tile both ways when accumulating into fp32 on sm_90+: through TMA's reduce-add or the
-    # kernel's own load-add-store (_prune_wgrad_configs keeps what the call can run)
-    return [_wgrad_config(*c, tma_add=t) for c in (shapes[:1] if _single_config() else shapes)
-            for t in (False, True)]
-
-
-def _wgrad_config(block_k, block_n, block_s, warps, stages, tma_add=False) -> triton.Config:
-    """A weight-gradient config; its pre-hook gives the TMA output descriptor (if any) the tile."""
-    return triton.Config({"BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_S": block_s, "TMA_ADD": tma_add},
-                         num_warps=warps, num_stages=stages, pre_hook=_size_out_desc)
-
-
-def _prune_wgrad_configs(configs, named_args, **kwargs):
-    """TMA_ADD configs only where the launcher made the output descriptor (``tma_add_ok``). With
-    one, both kinds are tuned: on an H100 the reduce-add wins at ~512 and more rows per expert
-    (dmoe-small, fine-64e-top8) and loses 5-9% at ~256 (paper-moe-m); MEGATRON_MOE_TMA_ADD=1 or a
-    single config (MEGATRON_MOE_AUTOTUNE=0) keeps the TMA ones only."""
-    if named_args.get("out_desc") is None:
-        want = False
-    elif _single_config() or os.environ.get("MEGATRON_MOE_TMA_ADD") == "1":
-        want = True
-    else:
-        return configs
-    return [c for c in configs if c.kwargs["TMA_ADD"] == want]
-
-
-def _size_out_desc(nargs) -> None:
-    """Config pre-hook: the accumulating TMA path's descriptor moves one [1, BLOCK_K, BLOCK_N] box."""
-    desc = nargs.get("out_desc")
-    if desc is not None:
-        desc.block_shape = [1, nargs["BLOCK_K"], nargs["BLOCK_N"]]
 
 
 def _prune_gemm_configs(configs, named_args, **kwargs):
@@ -189,28 +134,60 @@ def _prune_gemm_configs(configs, named_args, **kwargs):
 _DACT_SLOT = min(c.kwargs["BLOCK_N"] for c in _gemm_configs())
 
 
-# ----------------------------------------------------------------------------------------------
-# Element-wise helpers (fp32)
-# ----------------------------------------------------------------------------------------------
+def _wgrad_configs() -> list[triton.Config]:
+    """The weight gradient's configs, each tile with and without TMA_ADD (MEGATRON_MOE_AUTOTUNE=0:
+    the first tile alone)."""
+    if interpret_mode():
+        return [triton.Config({"BLOCK_K": 16, "BLOCK_N": 16, "BLOCK_S": 16, "TMA_ADD": False}, num_warps=4,
+                              num_stages=1)]
+    # few rows per expert make the reduction short: fewer stages let two programs share an SM and
+    # overlap one's store with the other's loads (a persistent schedule measured no better: see
+    # docs/performance.md)
+    shapes = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
+        (64, 64, 64, 4, 4),
+        (128, 128, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 4, 3),
+        (128, 128, 64, 4, 2),
+        (128, 256, 64, 8, 3),
+        (64, 128, 64, 4, 3),
+        (128, 64, 64, 4, 3),
+    ]
+    # each tile both ways when accumulating into fp32 on sm_90+: through TMA's reduce-add or the
+    # kernel's own load-add-store (_prune_wgrad_configs keeps what the call can run)
+    return [_wgrad_config(*c, tma_add=t) for c in switches.tuning_candidates(shapes) for t in (False, True)]
 
 
-@triton.jit
-def _tanh(x, FAST: tl.constexpr):
-    """tanh of fp32 x; FAST: the hardware's tanh.approx.f32 (one instruction, relative error about
-    2^-11: used when the outputs are 16-bit, never under the interpreter)."""
-    if FAST:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+def _wgrad_config(block_k, block_n, block_s, warps, stages, tma_add=False) -> triton.Config:
+    """A weight-gradient config; its pre-hook gives the TMA output descriptor (if any) the tile."""
+    return triton.Config({"BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_S": block_s, "TMA_ADD": tma_add},
+                         num_warps=warps, num_stages=stages, pre_hook=_size_out_desc)
+
+
+def _size_out_desc(nargs) -> None:
+    """Config pre-hook: the accumulating TMA path's descriptor moves one [1, BLOCK_K, BLOCK_N] box."""
+    desc = nargs.get("out_desc")
+    if desc is not None:
+        desc.block_shape = [1, nargs["BLOCK_K"], nargs["BLOCK_N"]]
+
+
+def _prune_wgrad_configs(configs, named_args, **kwargs):
+    """TMA_ADD configs only where the launcher made the output descriptor (``tma_add_ok``). With
+    one, both kinds are tuned (which one wins depends on the rows per expert: measured, see
+    docs/performance.md), unless MEGATRON_MOE_TMA_ADD=1 or MEGATRON_MOE_AUTOTUNE=0 asks for the
+    TMA ones only."""
+    if named_args.get("out_desc") is None:
+        want = False
+    elif switches.tma_add() or not switches.autotune():
+        want = True
     else:
-        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+        return configs  # both kinds
+    return [c for c in configs if c.kwargs["TMA_ADD"] == want]
 
 
-@triton.jit
-def _sigmoid(x, FAST: tl.constexpr):
-    if FAST:
-        return 0.5 + 0.5 * _tanh(0.5 * x, FAST)
-    else:
-        return tl.sigmoid(x)
+# ----------------------------------------------------------------------------------------------
+# Row-grouped GEMM: out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[expert(s)])
+# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -220,32 +197,6 @@ def _rows(index_ptr, offs_s, mask_s, HAS_INDEX: tl.constexpr):
         return tl.load(index_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
     else:
         return offs_s.to(tl.int64)
-
-
-@triton.jit
-def _gelu_and_grad(h, FAST: tl.constexpr = False):
-    """GELU (tanh approximation) of h and its derivative."""
-    u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-    t = _tanh(u, FAST)
-    act = 0.5 * h * (1.0 + t)
-    grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-    return act, grad
-
-
-@triton.jit
-def _activation(h, up, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
-    """fp32 activation of a rounded pre-activation: gelu(h), or swiglu silu(h) * up (h the gate);
-    the forward epilogue and the weight gradient's recompute share it, so both round alike."""
-    if ACTIVATION == "gelu":
-        act, _ = _gelu_and_grad(h, FAST)
-        return act
-    else:
-        return h * _sigmoid(h, FAST) * up
-
-
-# ----------------------------------------------------------------------------------------------
-# Row-grouped GEMM: out[scatter(s)] = epilogue(scale(s) * a[gather(s)] @ w[expert(s)])
-# ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -274,17 +225,96 @@ def _tile_coords(tile, tiles_cum_E, tiles_E, e_idx, offsets_ptr, num_tiles_n, BL
 
 
 @triton.jit
+def _load_pre(pre_ptrs, mask_o, N, EPILOGUE: tl.constexpr):
+    """The saved pre-activation tile of a backward epilogue: (h, h) for dgelu, (gate, up) for
+    dswiglu, whose up half lies N columns to the right."""
+    h = tl.load(pre_ptrs, mask=mask_o, other=0.0)
+    if EPILOGUE == "dswiglu":
+        h_up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0)
+    else:
+        h_up = h
+    return h, h_up
+
+
+@triton.jit
+def _forward_epilogue(
+    acc, acc_up, out_ptr, act_ptr, scale_ptr, act_scale_ptr, offs_s, mask_s, rows_o, offs_n, mask_o,
+    N, stride_om, stride_actm,
+    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ACT_SCALE: tl.constexpr, FAST_MATH: tl.constexpr,
+):
+    """out = scale(s)·acc (gelu / swiglu: the pre-activation; swiglu's up half, scale(s)·acc_up,
+    N columns to the right); then act = act_scale(s)·act(pre) from the rounded pre into act."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rows_o[:, None] * stride_om + offs_n[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    if HAS_SCALE:
+        acc = acc * scale
+        if EPILOGUE == "swiglu":
+            acc_up = acc_up * scale
+    pre = acc.to(out_ty)
+    tl.store(out_ptrs, pre, mask=mask_o)
+    if EPILOGUE == "gelu" or EPILOGUE == "swiglu":
+        # activation of the stored (rounded) pre-activation: the backward recomputes the same
+        if EPILOGUE == "gelu":
+            up = pre
+        else:
+            up = acc_up.to(out_ty)
+            tl.store(out_ptrs + N, up, mask=mask_o)
+        act = activation_fwd(pre.to(tl.float32), up.to(tl.float32), EPILOGUE, FAST_MATH)
+        if HAS_ACT_SCALE:
+            act = act * tl.load(act_scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
+        act_ptrs = act_ptr + rows_o[:, None] * stride_actm + offs_n[None, :]
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask_o)
+
+
+@triton.jit
+def _backward_epilogue(
+    acc, h, h_up, pre_ptrs, out_ptr, dscale_ptr, scale_ptr, offs_s, mask_s, rows_o, offs_n, mask_o, pid_n,
+    N, num_slots, stride_om,
+    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, FAST_MATH: tl.constexpr, PREFETCH: tl.constexpr,
+    SLOT: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """acc = g = dL/d(act), without the scale. out = scale(s)·g·act'(pre) (dswiglu: d gate, and
+    d up N columns to the right), pre read at the output rows (prefetched: h, h_up; else None,
+    loaded here); Σ_n g·act(pre) of the tile into its row-sum slot of dscale."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rows_o[:, None] * stride_om + offs_n[None, :]
+    if not PREFETCH:
+        h, h_up = _load_pre(pre_ptrs, mask_o, N, EPILOGUE)
+    if HAS_SCALE:
+        g_scaled = acc * scale
+    else:
+        g_scaled = acc
+    if EPILOGUE == "dgelu":
+        act = gelu_bwd(h.to(tl.float32), g_scaled, out_ptrs, mask_o, FAST_MATH)
+    else:  # dswiglu
+        act = swiglu_bwd(h.to(tl.float32), h_up.to(tl.float32), g_scaled, out_ptrs, N, mask_o, FAST_MATH)
+    # Σ_n g·act of this tile goes to slot pid_n * (BLOCK_N // SLOT); the tile's other slots get
+    # 0, so whatever BLOCK_N the autotuner picks, every slot is written exactly once.
+    row_sum = tl.sum(acc * act, axis=1)
+    offs_j = tl.arange(0, BLOCK_N // SLOT)
+    part = tl.where(offs_j[None, :] == 0, row_sum[:, None], 0.0)
+    offs_slot = pid_n * (BLOCK_N // SLOT) + offs_j
+    tl.store(dscale_ptr + rows_o[:, None] * num_slots + offs_slot[None, :], part,
+             mask=mask_s[:, None] & (offs_slot < num_slots)[None, :])
+
+
+@triton.jit
 def _gemm_tile(
     expert, row0, seg_end, pid_n,
     a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr, gather_ptr, scatter_ptr,
     K, N, num_slots,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
     EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_ACT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, FAST_MATH: tl.constexpr,
+    HAS_ACT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     SLOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, W_TMA: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] output tile of expert ``expert`` (rows row0.. of its segment)."""
+    """One [BLOCK_M, BLOCK_N] output tile of expert ``expert`` (rows row0.. of its segment):
+    rows and masks (and the backward's prefetched pre-activation), the main loop over K, the
+    forward or backward epilogue."""
     offs_s = row0 + tl.arange(0, BLOCK_M)
     mask_s = offs_s < seg_end
     rows_a = _rows(gather_ptr, offs_s, mask_s, HAS_GATHER)
@@ -296,17 +326,19 @@ def _gemm_tile(
     if BACKWARD:
         pre_ptrs = pre_ptr + rows_o[:, None] * stride_prem + offs_n[None, :]
         if PREFETCH:  # in flight during the main loop
-            h = tl.load(pre_ptrs, mask=mask_o, other=0.0)
-            if EPILOGUE == "dswiglu":
-                h_up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0)
+            h, h_up = _load_pre(pre_ptrs, mask_o, N, EPILOGUE)
+        else:  # loaded by the epilogue
+            h, h_up = None, None
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
     if not W_TMA:
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EPILOGUE == "swiglu":
+    if EPILOGUE == "swiglu":  # the up half's accumulator
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc_up = None
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_s[:, None] & mask_k[None, :], other=0.0)
@@ -314,77 +346,28 @@ def _gemm_tile(
             w = w_ptr.load([expert, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).trans()
         else:
             w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        acc = dot(a, w, acc, DOT_PRECISION)
         if EPILOGUE == "swiglu":
             w_up = tl.load(w_ptrs + N * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if DOT_F32:
-                w_up = w_up.to(tl.float32)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            acc_up = dot(a, w_up, acc_up, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         if not W_TMA:
             w_ptrs += BLOCK_K * stride_wk
 
-    # Epilogue
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + rows_o[:, None] * stride_om + offs_n[None, :]
-    out_ty = out_ptr.dtype.element_ty
-
-    if not BACKWARD:
-        if HAS_SCALE:
-            acc = acc * scale
-            if EPILOGUE == "swiglu":
-                acc_up = acc_up * scale
-        pre = acc.to(out_ty)
-        tl.store(out_ptrs, pre, mask=mask_o)
-        if EPILOGUE == "gelu" or EPILOGUE == "swiglu":
-            # activation of the stored (rounded) pre-activation: the backward recomputes the same
-            if EPILOGUE == "gelu":
-                up = pre
-            else:
-                up = acc_up.to(out_ty)
-                tl.store(out_ptrs + N, up, mask=mask_o)
-            act = _activation(pre.to(tl.float32), up.to(tl.float32), EPILOGUE, FAST_MATH)
-            if HAS_ACT_SCALE:
-                act = act * tl.load(act_scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[:, None]
-            act_ptrs = act_ptr + rows_o[:, None] * stride_actm + offs_n[None, :]
-            tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask_o)
+    if BACKWARD:
+        _backward_epilogue(acc, h, h_up, pre_ptrs, out_ptr, dscale_ptr, scale_ptr, offs_s, mask_s, rows_o, offs_n,
+                           mask_o, pid_n, N, num_slots, stride_om,
+                           EPILOGUE, HAS_SCALE, FAST_MATH, PREFETCH, SLOT, BLOCK_N)
     else:
-        # acc = g = dL/d(act) (without the scale); pre rows sit at the output rows.
-        if not PREFETCH:
-            h = tl.load(pre_ptrs, mask=mask_o, other=0.0)
-            if EPILOGUE == "dswiglu":
-                h_up = tl.load(pre_ptrs + N, mask=mask_o, other=0.0)
-        if HAS_SCALE:
-            g_scaled = acc * scale
-        else:
-            g_scaled = acc
-        if EPILOGUE == "dgelu":
-            act, dact = _gelu_and_grad(h.to(tl.float32), FAST_MATH)
-            tl.store(out_ptrs, (g_scaled * dact).to(out_ty), mask=mask_o)
-        else:  # dswiglu
-            gate = h.to(tl.float32)
-            up = h_up.to(tl.float32)
-            sig = _sigmoid(gate, FAST_MATH)
-            silu = gate * sig
-            act = silu * up
-            tl.store(out_ptrs, (g_scaled * up * sig * (1.0 + gate * (1.0 - sig))).to(out_ty), mask=mask_o)
-            tl.store(out_ptrs + N, (g_scaled * silu).to(out_ty), mask=mask_o)
-        # Σ_n g·act of this tile goes to slot pid_n * (BLOCK_N // SLOT); the tile's other slots get
-        # 0, so whatever BLOCK_N the autotuner picks, every slot is written exactly once.
-        row_sum = tl.sum(acc * act, axis=1)
-        offs_j = tl.arange(0, BLOCK_N // SLOT)
-        part = tl.where(offs_j[None, :] == 0, row_sum[:, None], 0.0)
-        offs_slot = pid_n * (BLOCK_N // SLOT) + offs_j
-        tl.store(dscale_ptr + rows_o[:, None] * num_slots + offs_slot[None, :], part,
-                 mask=mask_s[:, None] & (offs_slot < num_slots)[None, :])
+        _forward_epilogue(acc, acc_up, out_ptr, act_ptr, scale_ptr, act_scale_ptr, offs_s, mask_s, rows_o, offs_n,
+                          mask_o, N, stride_om, stride_actm,
+                          EPILOGUE, HAS_SCALE, HAS_ACT_SCALE, FAST_MATH)
 
 
+# restore_value: benchmarking a config runs the kernel several times; an in-place backward
+# epilogue (out over the pre-activation) must read the saved pre-activation each time
 @triton.autotune(configs=_gemm_configs(), key=["K", "N", "EPILOGUE", "W_TMA"],
-                 prune_configs_by={"early_config_prune": _prune_gemm_configs})
+                 prune_configs_by={"early_config_prune": _prune_gemm_configs}, restore_value=["out_ptr"])
 @triton.jit
 def _grouped_gemm_kernel(
     # pointers
@@ -412,7 +395,6 @@ def _grouped_gemm_kernel(
     HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
     HAS_ACT_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs
-    DOT_F32: tl.constexpr,  # upcast the tl.dot operands (interpreter: its 16-bit dot is wrong)
     FAST_MATH: tl.constexpr,  # hardware tanh in the activation epilogues (16-bit outputs on a GPU)
     BLOCK_E: tl.constexpr, SLOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -434,7 +416,7 @@ def _grouped_gemm_kernel(
                        a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
                        gather_ptr, scatter_ptr, K, N, num_slots,
                        stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
-                       EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION, DOT_F32,
+                       EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
                        FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
     else:
         expert, row0, seg_end, pid_n = _tile_coords(pid, tiles_cum_E, tiles_E, e_idx, offsets_ptr,
@@ -445,7 +427,7 @@ def _grouped_gemm_kernel(
                    a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
                    gather_ptr, scatter_ptr, K, N, num_slots,
                    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
-                   EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION, DOT_F32,
+                   EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
                    FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
 
 
@@ -483,7 +465,7 @@ def _grouped_wgrad_kernel(
     ACCUMULATE: tl.constexpr,  # out += dw (fp32 out: gradient accumulation over micro-batches)
     TMA_OK: tl.constexpr,  # out_desc was made (tma_add_ok): the TMA_ADD configs may run
     TMA_ADD: tl.constexpr,  # (config) ACCUMULATE through the tensor-memory unit's reduce-add
-    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # one program per [BLOCK_K, BLOCK_N] tile of one expert; consecutive programs share its rows
@@ -516,7 +498,7 @@ def _grouped_wgrad_kernel(
                 up = tl.load(a_ptrs + K * stride_ak, mask=mask_a, other=0.0)
             else:
                 up = a_t
-            act = _activation(a_t.to(tl.float32), up.to(tl.float32), ACT_A, FAST_MATH)
+            act = activation_fwd(a_t.to(tl.float32), up.to(tl.float32), ACT_A, FAST_MATH)
             if HAS_A_SCALE:
                 act = act * tl.load(a_scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)[None, :]
             a_t = act.to(a_ptr.dtype.element_ty)
@@ -525,17 +507,14 @@ def _grouped_wgrad_kernel(
         if HAS_SCALE:
             scale = tl.load(scale_ptr + offs_s, mask=mask_s, other=0.0).to(tl.float32)
             b = (b.to(tl.float32) * scale[:, None]).to(b_ptr.dtype.element_ty)
-        if DOT_F32:
-            a_t = a_t.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+        acc = dot(a_t, b, acc, DOT_PRECISION)
 
     if TMA_ADD:
         # out += acc by the tensor-memory unit (cp.reduce.async.bulk.tensor.add from shared memory,
-        # done in L2; the box is clipped at out's bounds): the fp32 tile never enters registers
-        # (168 registers per thread instead of 255 at 128 x 128 x 4 warps: 3 programs per SM, not
-        # 2), and the program only waits for the bulk copy at its exit. One add per element, the
-        # same fp32 rounding as the load-add-store path: deterministic, the same bits for one config.
+        # done in L2; the box is clipped at out's bounds): the fp32 tile never enters registers, so
+        # the program needs fewer of them and more programs share an SM, and it only waits for the
+        # bulk copy at its exit. One add per element, the same fp32 rounding as the load-add-store
+        # path: deterministic, the same bits for one config.
         if seg_end > seg_start:  # an empty expert adds nothing
             out_desc.atomic_add([expert, pid_k * BLOCK_K, pid_n * BLOCK_N], acc[None, :, :])
     else:
@@ -577,11 +556,6 @@ def _num_sorted(a_MK, gather_S) -> int:
     return gather_S.shape[0] if gather_S is not None else a_MK.shape[0]
 
 
-def _dot_args(dtype: torch.dtype) -> dict:
-    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-            "DOT_F32": interpret_mode() and dtype != torch.float32}
-
-
 def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S=None) -> int:
     if a_MK.dim() != 2 or w_EKN.dim() != 3:
         raise ValueError(f"expected a [M, K] and w [E, K, N], got {tuple(a_MK.shape)} and {tuple(w_EKN.shape)}")
@@ -600,7 +574,7 @@ def _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale
 
 # Tuned launches: once the autotuner has chosen a config for a launch key (its own key, the
 # tensors' dtypes and the meta-parameters), later launches call the JIT function with that config
-# directly, skipping the autotuner's per-call work (host time; benchmarks/NOTES.md).
+# directly, skipping the autotuner's per-call work on the host (measured: see docs/performance.md).
 _TUNED: dict = {}
 
 
@@ -630,6 +604,14 @@ def _launch(kernel, grid, args, meta, tune_key):
         kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid); 4 under the interpreter."""
+    if device_index is None:
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue, gather_S, scatter_S, scale_S,
                  act_scale_S=None):
     S, E, K = out.shape[0], w_EKN.shape[0], a_MK.shape[1]
@@ -656,7 +638,8 @@ def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue,
     meta = dict(EPILOGUE=epilogue, HAS_GATHER=gather_S is not None, HAS_SCATTER=scatter_S is not None,
                 HAS_SCALE=scale_S is not None, HAS_ACT_SCALE=act_scale_S is not None,
                 FAST_MATH=out.dtype != torch.float32 and not interpret_mode(),
-                BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT, W_TMA=w_tma, **_dot_args(a_MK.dtype))
+                BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT, W_TMA=w_tma,
+                DOT_PRECISION=input_precision(a_MK.dtype))
     _launch(_grouped_gemm_kernel, grid, args, meta, (K, N))
 
 
@@ -664,19 +647,19 @@ def w_tma_ok(w_EKN: torch.Tensor) -> bool:
     """Whether the row-grouped kernel reads the weights through a tensor descriptor (Hopper's
     tensor-memory unit) instead of pointer loads: for transposed weights (K contiguous, the
     backward's w1ᵀ and w2ᵀ views), 16-bit, where ``_tma_can_describe`` their [E, N, K] storage,
-    unless MEGATRON_MOE_W_TMA=0 (A/B switch). Measured on an H100: the dx GEMM 6-18% faster, the
-    dgelu GEMM 1-5%; weights with N contiguous (the forward's) gained nothing, so they keep the
-    pointer loads (benchmarks/NOTES.md)."""
-    return w_EKN.element_size() == 2 and _tma_can_describe(w_EKN.transpose(1, 2), "MEGATRON_MOE_W_TMA")
+    unless MEGATRON_MOE_W_TMA=0 (kernels/switches.py). The transposed weights' tiles are then
+    moved by the tensor-memory unit instead of strided pointer loads; weights with N contiguous
+    (the forward's) gained nothing from it and keep the pointer loads (measured: see
+    docs/performance.md)."""
+    return w_EKN.element_size() == 2 and switches.w_tma() and _tma_can_describe(w_EKN.transpose(1, 2))
 
 
-def _tma_can_describe(t: torch.Tensor, switch: str) -> bool:
+def _tma_can_describe(t: torch.Tensor) -> bool:
     """Whether a host tensor descriptor over ``t`` can be used: Triton has them, an NVIDIA GPU of
     compute capability 9.0+ (not the interpreter), the last dimension contiguous, the base and the
-    other strides multiples of 16 bytes (the tensor-memory unit's rules), and the environment
-    variable ``switch`` not "0" (A/B switch)."""
+    other strides multiples of 16 bytes (the tensor-memory unit's rules)."""
     return (TensorDescriptor is not None and t.is_cuda and not interpret_mode()
-            and os.environ.get(switch, "1") != "0" and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
             and torch.version.hip is None and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
@@ -731,8 +714,8 @@ def grouped_gemm_dact_triton(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gat
 
 def _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S) -> tuple[int, int]:
     S = _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, None, scale_S)
-    if activation not in ("gelu", "swiglu"):
-        raise ValueError(f"activation={activation!r}: expected 'gelu' or 'swiglu'")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
     N = w_EKN.shape[2]
     X = 2 * N if activation == "swiglu" else N
     if pre_SX.shape != (S, X) or pre_SX.stride(1) != 1:
@@ -770,7 +753,7 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
     meta = dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
                 HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
                 FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), ACCUMULATE=bool(accumulate),
-                TMA_OK=tma_ok, **_dot_args(a_MK.dtype))
+                TMA_OK=tma_ok, DOT_PRECISION=input_precision(a_MK.dtype))
     _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
     return out
 
@@ -778,10 +761,11 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
 def tma_add_ok(out: torch.Tensor) -> bool:
     """Whether an accumulating weight gradient may add into ``out`` through TMA: fp32 out where
     Triton has the descriptors' reduce-add and ``_tma_can_describe`` it, unless
-    MEGATRON_MOE_TMA_ADD=0 (A/B switch). The autotuner then chooses between the reduce-add and
-    the kernel's own load-add-store of the fp32 tile (``_prune_wgrad_configs``); without it the
-    kernel loads, adds and stores."""
-    return _HAS_TMA_ADD and out.dtype == torch.float32 and _tma_can_describe(out, "MEGATRON_MOE_TMA_ADD")
+    MEGATRON_MOE_TMA_ADD=0 (kernels/switches.py). The autotuner then chooses between the
+    reduce-add and the kernel's own load-add-store of the fp32 tile (``_prune_wgrad_configs``);
+    without it the kernel loads, adds and stores."""
+    return (_HAS_TMA_ADD and out.dtype == torch.float32 and switches.tma_add() is not False
+            and _tma_can_describe(out))
 
 
 def _check_wgrad_out(out, accumulate, shape, device) -> None:
@@ -829,23 +813,12 @@ def _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_acti
 # ----------------------------------------------------------------------------------------------
 
 
-def gelu_and_grad_reference(h: torch.Tensor):
-    """GELU (tanh approximation) of fp32 h and its derivative."""
-    t = torch.tanh(_GELU_C * (h + 0.044715 * h ** 3))
-    return 0.5 * h * (1 + t), 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * h * h)
-
-
-def _segments(offsets_E1):
-    bounds = offsets_E1.tolist()
-    return [(e, bounds[e], bounds[e + 1]) for e in range(len(bounds) - 1) if bounds[e + 1] > bounds[e]]
-
-
 def _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S):
     """fp32 [S, N] = a[gather(s)] @ w[expert(s)]."""
     S = _num_sorted(a_MK, gather_S)
     rows = a_MK if gather_S is None else a_MK[gather_S.long()]
     acc = torch.zeros(S, w_EKN.shape[2], device=a_MK.device, dtype=torch.float32)
-    for e, lo, hi in _segments(offsets_E1):
+    for e, lo, hi in expert_segments(offsets_E1):
         acc[lo:hi] = rows[lo:hi].float() @ w_EKN[e].float()
     return acc
 
@@ -877,34 +850,14 @@ def grouped_gemm_dact_reference(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, 
     _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S)
     g = _grouped_matmul_f32(a_MK, w_EKN, offsets_E1, gather_S)
     g_scaled = g if scale_S is None else g * scale_S[:, None]
-    dpre, _, dscale = _dact_elementwise(g, pre_SX, activation, g_scaled)
+    dpre, act = activation_bwd_reference(pre_SX, g_scaled, activation)
     dpre = dpre.to(pre_SX.dtype)
-    return (pre_SX.copy_(dpre) if inplace else dpre), dscale
-
-
-def _dact_elementwise(g, pre_SX, activation, g_scaled=None):
-    """(dpre fp32, act fp32, Σ_n g·act fp32) from fp32 g = dL/d act."""
-    g_scaled = g if g_scaled is None else g_scaled
-    h = pre_SX.float()
-    if activation == "gelu":
-        act, dact = gelu_and_grad_reference(h)
-        dpre = g_scaled * dact
-    else:
-        gate, up = h.chunk(2, dim=1)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        act = silu * up
-        dpre = torch.cat([g_scaled * up * sig * (1 + gate * (1 - sig)), g_scaled * silu], dim=1)
-    return dpre, act, (g * act).sum(1)
+    return (pre_SX.copy_(dpre) if inplace else dpre), (g * act).sum(1)
 
 
 def _activation_reference(pre_SX, activation, act_scale_S, out_dtype):
     """The forward's act_out from its rounded pre-activation: act_scale(s) · act(pre), in out_dtype."""
-    if activation == "gelu":
-        act = gelu_and_grad_reference(pre_SX.float())[0]
-    else:
-        gate, up = pre_SX.float().chunk(2, dim=1)
-        act = F_.silu(gate) * up
+    act = activate(pre_SX.float(), activation)
     if act_scale_S is not None:
         act = act * act_scale_S[:, None]
     return act.to(out_dtype)
@@ -921,7 +874,7 @@ def grouped_wgrad_reference(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b
     b = b_MN if gather_b_S is None else b_MN[gather_b_S.long()]
     b = b.float() if scale_S is None else (b.float() * scale_S[:, None]).to(b.dtype).float()
     dw = torch.zeros(E, K, b_MN.shape[1], device=a_MK.device, dtype=torch.float32)
-    for e, lo, hi in _segments(offsets_E1):
+    for e, lo, hi in expert_segments(offsets_E1):
         dw[e] = a[lo:hi].float().t() @ b[lo:hi]
     if out is None:
         return dw.to(out_dtype or a_MK.dtype)

@@ -5,7 +5,7 @@ the fp32 weight is split into bf16 parts (hi + mid + lo, 24 bits together), each
 x and a part is exact, and the accumulation is fp32 (``router_logits``); the gradients split
 dL/dlogits the same way. Logits and the weight gradient are as accurate as an fp32 GEMM's, at a
 bf16 GEMM's speed, without the fp32 copy of x that an fp32 GEMM reads and saves. With bf16
-parameters (training's default, megatron_moe/precision.py) the weight is already bf16: one part,
+parameters (training's default, megatron_moe/training/precision.py) the weight is already bf16: one part,
 exact products, fp32 accumulation; its gradient is rounded to bf16 and summed into the fp32
 master's.
 

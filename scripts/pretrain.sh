@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Pretrain on one node: torchrun over all of its GPUs (or NPROC processes).
 #
-#   scripts/pretrain.sh configs/dmoe-xs.yaml                      # every GPU of this node
-#   NPROC=4 scripts/pretrain.sh configs/gpt-xs.yaml train.lr=3e-4 # 4 GPUs, an override
-#   scripts/pretrain.sh configs/dmoe-xs.yaml --resume             # continue runs/dmoe-xs
-#   NPROC=2 scripts/pretrain.sh configs/tiny-cpu.yaml             # no GPU: 2 CPU processes (gloo)
+#   scripts/pretrain.sh dmoe-xs                       # every GPU of this node
+#   NPROC=4 scripts/pretrain.sh gpt-xs train.lr=3e-4  # 4 GPUs, an override
+#   scripts/pretrain.sh dmoe-xs --resume              # continue runs/dmoe-xs
+#   NPROC=2 scripts/pretrain.sh tiny-cpu              # no GPU: 2 CPU processes (gloo)
 #
-# Everything after CONFIG goes to megatron-moe-train (key=value overrides, --resume,
-# --print-config). NCCL_NVLS_ENABLE defaults to 0 (NVLink SHARP multicast off; set it to 1
-# where the fabric supports it).
+# CONFIG: a shipped config's name or a YAML file. Everything after it goes to
+# megatron-moe-train (key=value overrides, --resume, --print-config). NCCL_NVLS_ENABLE
+# defaults to 0 (NVLink SHARP multicast off; set it to 1 where the fabric supports it).
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
     exit $([[ $# -lt 1 ]] && echo 2 || echo 0)
 fi
 CONFIG="$1"

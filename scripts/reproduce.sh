@@ -22,8 +22,10 @@
 #                MICRO_BATCH_MOE_XS_CF1_5); else the search's saved answer, else a search
 #   MB_START     first micro-batch the search tries (default: the config's micro_batch_size)
 #   RUNS         subset of run names (default: all 5); RUNS_DIR (default runs/repro-SIZE)
-#   RESULTS      default benchmarks/results/repro-SIZE: micro_batch/*.json, logs/*.log,
-#                runs/NAME/{metrics.jsonl,config.yaml} (committed), table.md/json, plots/
+#   RESULTS      default benchmarks/results/repro-SIZE: micro_batch/*.json, env.txt,
+#                runs/NAME/{metrics.jsonl.gz,config.yaml} (committed; compare_runs reads the .gz),
+#                table.md/json, compare.txt, plots/. The console logs stay out of it:
+#                RUNS_DIR/logs/NAME.log and NAME.find.log
 #   KEEP_CHECKPOINTS=1 saves each run's final checkpoint in RUNS_DIR/NAME/checkpoints
 #                (default: none is written, train.save_final=false: a dmoe-small checkpoint is
 #                ~44 GB); FORCE=1 reruns runs already done
@@ -125,7 +127,7 @@ COMMON=("logging.runs_dir=$RUNS_DIR" "logging.wandb_group=$GROUP" "train.train_i
         "train.lr_warmup_iters=$WARMUP" "train.lr_decay_iters=null" "train.eval_interval=$EVAL_INTERVAL"
         "train.eval_iters=$EVAL_ITERS" "train.save_interval=0" "train.save_final=$([[ ${KEEP_CHECKPOINTS:-0} == 1 ]] && echo true || echo false)" "train.log_interval=5"
         "train.exit_interval=null")
-[[ "$DRY_RUN" == 1 ]] || mkdir -p "$RESULTS/micro_batch" "$RESULTS/logs" "$RESULTS/runs" "$RUNS_DIR"
+[[ "$DRY_RUN" == 1 ]] || mkdir -p "$RESULTS/micro_batch" "$RESULTS/runs" "$RUNS_DIR/logs"
 if [[ "$DRY_RUN" != 1 ]] && command -v nvidia-smi >/dev/null; then
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
       "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" 2>&1
@@ -164,8 +166,8 @@ for r in "${SELECTED[@]}"; do
             MB='<found>'
         else
             show "${FIND[@]}"
-            MB="$("${FIND[@]}" 2> >(tee "$RESULTS/logs/$NAME.find.log" >&2))" || {
-                echo "reproduce.sh: the micro-batch search for $NAME failed (log: $RESULTS/logs/$NAME.find.log)" >&2; exit 1; }
+            MB="$("${FIND[@]}" 2> >(tee "$RUNS_DIR/logs/$NAME.find.log" >&2))" || {
+                echo "reproduce.sh: the micro-batch search for $NAME failed (log: $RUNS_DIR/logs/$NAME.find.log)" >&2; exit 1; }
         fi
     fi
 
@@ -183,10 +185,12 @@ for r in "${SELECTED[@]}"; do
     fi
     rm -rf "${RUNS_DIR:?}/$NAME"   # a fresh run: same tokens for every model
     show "${TRAIN[@]}"
-    NPROC="$NPROC" "${TRAIN[@]}" 2>&1 | tee "$RESULTS/logs/$NAME.log" || {
-        echo "reproduce.sh: training $NAME failed (log: $RESULTS/logs/$NAME.log)" >&2; exit 1; }
+    NPROC="$NPROC" "${TRAIN[@]}" 2>&1 | tee "$RUNS_DIR/logs/$NAME.log" || {
+        echo "reproduce.sh: training $NAME failed (log: $RUNS_DIR/logs/$NAME.log)" >&2; exit 1; }
     mkdir -p "$RESULTS/runs/$NAME"
-    cp "$RUNS_DIR/$NAME/metrics.jsonl" "$RUNS_DIR/$NAME/config.yaml" "$RESULTS/runs/$NAME/"
+    cp "$RUNS_DIR/$NAME/config.yaml" "$RESULTS/runs/$NAME/"
+    gzip -9 -n -c "$RUNS_DIR/$NAME/metrics.jsonl" > "$RESULTS/runs/$NAME/metrics.jsonl.gz"
+    rm -f "$RESULTS/runs/$NAME/metrics.jsonl"   # an earlier call's uncompressed copy
     touch "$RUNS_DIR/$NAME/.repro-done"
 done
 
@@ -199,7 +203,8 @@ for r in "${ALL_RUNS[@]}"; do
     NAME="${r%%|*}"
     picked=0
     for s in "${SELECTED[@]}"; do [[ "${s%%|*}" == "$NAME" ]] && picked=1; done
-    if [[ -f "$RESULTS/runs/$NAME/metrics.jsonl" || ( "$DRY_RUN" == 1 && $picked == 1 ) ]]; then
+    if [[ -f "$RESULTS/runs/$NAME/metrics.jsonl.gz" || -f "$RESULTS/runs/$NAME/metrics.jsonl" \
+          || ( "$DRY_RUN" == 1 && $picked == 1 ) ]]; then
         DIRS+=("$RESULTS/runs/$NAME")
         [[ "$NAME" == "gpt-$SIZE" ]] && BASE=(--baseline "gpt-$SIZE")
     fi

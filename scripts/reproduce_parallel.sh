@@ -11,7 +11,7 @@
 # TOKENS_<SIZE> (else TOKENS, else reproduce.sh's default); everything reproduce.sh reads
 # (MB_START, MICRO_BATCH_<NAME>, TAG, EVAL_ITERS ...). Overrides after "--" go to every run:
 #   scripts/reproduce_parallel.sh xs:gpt-xs -- logging.wandb=false
-# Logs: RESULTS/logs/NAME.log as with reproduce.sh; each run's console output in
+# Logs: RUNS_DIR/logs/NAME.log as with reproduce.sh; each run's console output in
 # ${TMPDIR:-/tmp}/reproduce-SIZE-RUN.out. Runs sharing a GPU slow each other down: give each its
 # own (at most NGPUS arguments) when throughput is the point.
 set -euo pipefail

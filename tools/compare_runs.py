@@ -1,13 +1,16 @@
 """Compare training runs: a table of throughput, memory and loss, and PNG plots.
 
-    python tools/compare_runs.py runs/gpt-xs runs/dmoe-xs runs/moe-xs --baseline gpt-xs
-    python tools/compare_runs.py runs/* --target-loss 3.5 --plots plots/ --markdown table.md
-    python tools/compare_runs.py runs/gpt-xs runs/dmoe-xs --baseline gpt-xs --target-loss baseline
+    megatron-moe-compare-runs runs/gpt-xs runs/dmoe-xs runs/moe-xs --baseline gpt-xs
+    megatron-moe-compare-runs runs/* --target-loss 3.5 --plots plots/ --markdown results/table.md
+    megatron-moe-compare-runs runs/gpt-xs runs/dmoe-xs --baseline gpt-xs --target-loss baseline
 
-    python tools/compare_runs.py wandb:ENTITY/PROJECT/groups/repro-xs --baseline gpt-xs
-    python tools/compare_runs.py runs/dmoe-xs https://wandb.ai/ENTITY/PROJECT/runs/RUN_ID
+    megatron-moe-compare-runs wandb:ENTITY/PROJECT/groups/repro-xs --baseline gpt-xs
+    megatron-moe-compare-runs runs/dmoe-xs https://wandb.ai/ENTITY/PROJECT/runs/RUN_ID
 
-Each run is a run directory of ``megatron-moe-train`` (metrics.jsonl and config.yaml) or a W&B
+(``python tools/compare_runs.py ...`` from a source checkout does the same.)
+
+Each run is a run directory of ``megatron-moe-train`` (metrics.jsonl, or a gzipped
+metrics.jsonl.gz as the committed results keep them, and config.yaml) or a W&B
 run read through W&B's API (needs the network and access: ``wandb login`` or WANDB_API_KEY):
 ``wandb:ENTITY/PROJECT/RUN_ID``, ``wandb:ENTITY/PROJECT/groups/GROUP`` (every run of a group,
 e.g. the reproduction's ``repro-xs``), or the run's or group's https URL. W&B runs of
@@ -29,12 +32,17 @@ first step counted as a median step: its compilation and Triton autotuning are a
 start-up (printed as "start-up (s)") that a few-minute run would otherwise count in full and a
 real pretraining run would not notice.
 
-Plots (``--plots DIR``): validation loss against wall time and against tokens, throughput
-bars, and expert load (coefficient of variation, mean over layers) over training.
+Plots (``--plots DIR``, small PNGs, each titled with what it shows and the runs): validation loss
+against wall time and against tokens, with the target loss as a horizontal line (and the
+baseline's final loss when the target is another); training loss (lm_loss, a centred moving
+average on long runs) against tokens and wall time; throughput bars; expert load (coefficient
+of variation, mean over layers) over training, when a run logged it. Output folders are created
+as needed; an output path that cannot be written is a one-line error (exit status 2).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -57,20 +65,29 @@ class Run:
         return [(m, m[key]) for m in self.steps if isinstance(m.get(key), (int, float))]
 
 
+def metrics_file(path: str) -> str:
+    """A run directory's metrics.jsonl, else its gzipped copy metrics.jsonl.gz (committed results)."""
+    for name in ("metrics.jsonl", "metrics.jsonl.gz"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise FileNotFoundError(f"{path}: no metrics.jsonl (is it a megatron-moe-train run directory?)")
+
+
 def load_run(path: str) -> Run:
-    metrics = os.path.join(path, "metrics.jsonl")
-    if not os.path.isfile(metrics):
-        raise FileNotFoundError(f"{path}: no metrics.jsonl (is it a megatron-moe-train run directory?)")
+    metrics = metrics_file(path)
     steps = []
-    with open(metrics) as f:
-        for i, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                steps.append(json.loads(line))
-            except json.JSONDecodeError:  # a run killed mid-line: keep what is complete
-                print(f"warning: {metrics}:{i}: skipping an incomplete line", file=sys.stderr)
+    try:
+        with (gzip.open(metrics, "rt") if metrics.endswith(".gz") else open(metrics)) as f:
+            for i, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    steps.append(json.loads(line))
+                except json.JSONDecodeError:  # a run killed mid-line: keep what is complete
+                    print(f"warning: {metrics}:{i}: skipping an incomplete line", file=sys.stderr)
+    except EOFError:
+        raise ValueError(f"{metrics}: the gzip file is truncated") from None
     cfg = {}
     cfg_path = os.path.join(path, "config.yaml")
     if os.path.isfile(cfg_path):
@@ -349,7 +366,47 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join([head, sep, *body])
 
 
-def make_plots(runs: list[Run], rows: list[dict], out_dir: str) -> list[str]:
+PLOT_DPI = 90  # small PNGs (tens of KB): they are committed with the results
+
+
+def smooth(values: list[float], points: int = 60) -> tuple[list[float], int]:
+    """A centred moving average over ``window`` values (odd, about len/points; 1, i.e. none,
+    for short series), the ends averaged over what exists: (smoothed, window)."""
+    window = max(1, len(values) // points) | 1
+    if window == 1:
+        return list(values), 1
+    half, out = window // 2, []
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    for i in range(len(values)):
+        lo, hi = max(0, i - half), min(len(values), i + half + 1)
+        out.append((prefix[hi] - prefix[lo]) / (hi - lo))
+    return out, window
+
+
+def _to_palette(path: str, colors: int = 64) -> None:
+    """Rewrite a PNG with a palette of ``colors`` (no dithering): a third of the bytes, the same
+    picture for line plots. Left as it is where Pillow is missing."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=colors, dither=Image.Dither.NONE)
+    small.save(path, optimize=True)
+
+
+def _run_names(runs: list[Run], width: int = 70) -> str:
+    names = ", ".join(r.name for r in runs)
+    return names if len(names) <= width else names[:width - 3] + "..."
+
+
+def make_plots(runs: list[Run], rows: list[dict], out_dir: str, target: float | None = None,
+               baseline: str | None = None) -> list[str]:
+    """PNGs in ``out_dir`` (created): validation loss against wall time and tokens (``target``
+    and the baseline run's final loss as horizontal lines), training loss, throughput, expert
+    load (when logged). Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -358,35 +415,71 @@ def make_plots(runs: list[Run], rows: list[dict], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
 
-    def save(fig, name):
+    def save(fig, name, title, shown=runs):
+        fig.suptitle(f"{title}\n{_run_names(shown)}", fontsize=9)
         p = os.path.join(out_dir, name)
         fig.tight_layout()
-        fig.savefig(p, dpi=120)
+        fig.savefig(p, dpi=PLOT_DPI)
         plt.close(fig)
+        _to_palette(p)
         written.append(p)
 
+    base_run = next((r for r in runs if r.name == baseline), None)
+    base_final = val_curve(base_run)[-1][2] if base_run is not None and val_curve(base_run) else None
+    finals = [val_curve(r)[-1][2] for r in runs if val_curve(r)]
+    how = (f" ({baseline}'s final)" if target is not None and target == base_final else
+           " (the worst final)" if finals and target == max(finals) else "")
     for xkey, xlabel, fname in ((0, "wall time (s)", "val_loss_vs_time.png"), (1, "tokens", "val_loss_vs_tokens.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in runs:
             pts = [(p[xkey], p[2]) for p in val_curve(r) if p[xkey] is not None]
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3, label=r.name)
+        if target is not None:
+            ax.axhline(target, color="black", ls="--", lw=1, label=f"target {target:.3f}{how}")
+        if base_final is not None and target != base_final:
+            ax.axhline(base_final, color="gray", ls=":", lw=1, label=f"{baseline}'s final {base_final:.3f}")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
         ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, fname)
+        ax.legend(fontsize=8)
+        save(fig, fname, f"validation loss against {xlabel.split(' (')[0]}")
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), sharey=True)
+    windows, tops, bottoms = set(), [], []
+    for r in runs:
+        clock = [(t, tokens_seen(r, m), m["lm_loss"]) for t, m in wall_clock(r)
+                 if isinstance(m.get("lm_loss"), (int, float))]
+        if not clock:
+            continue
+        losses, window = smooth([c[2] for c in clock])
+        windows.add(window)
+        tops.append(losses[len(losses) // 20])  # the first 5% (the initial drop) above the frame
+        bottoms.append(min(losses))
+        line, = axes[0].plot([c[0] for c in clock], losses, lw=1, label=r.name)
+        tok = [(c[1], v) for c, v in zip(clock, losses) if c[1] is not None]
+        if tok:
+            axes[1].plot(*zip(*tok), lw=1, color=line.get_color(), label=r.name)
+    if tops and max(tops) > min(bottoms):
+        pad = 0.05 * (max(tops) - min(bottoms))
+        axes[0].set_ylim(min(bottoms) - pad, max(tops) + pad)
+    axes[0].set_xlabel("wall time (s)")
+    axes[1].set_xlabel("tokens")
+    axes[0].set_ylabel("training loss (lm_loss)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    smoothed = f", moving average of {max(windows)} steps" if windows and max(windows) > 1 else ""
+    save(fig, "train_loss.png", f"training loss{smoothed}")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = [r["run"] for r in rows]
-    vals = [r["tokens_per_s_per_gpu"] or 0 for r in rows]
-    ax.bar(names, vals, color="tab:blue")
+    ax.bar([r["run"] for r in rows], [r["tokens_per_s_per_gpu"] or 0 for r in rows], color="tab:blue")
     ax.set_ylabel("tokens/s per GPU")
     ax.tick_params(axis="x", rotation=30)
-    save(fig, "throughput.png")
+    save(fig, "throughput.png", "tokens/s per GPU (median)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    drew = False
+    drew, windows = [], set()
     for r in runs:
         pts = []
         for m in r.steps:
@@ -395,14 +488,19 @@ def make_plots(runs: list[Run], rows: list[dict], out_dir: str) -> list[str]:
             if cvs and "step" in m:
                 pts.append((m["step"], statistics.mean(cvs)))
         if pts:
-            ax.plot(*zip(*pts), label=r.name)
-            drew = True
-    ax.set_xlabel("step")
-    ax.set_ylabel("expert load CV (mean over layers)")
-    ax.grid(alpha=0.3)
+            cv, window = smooth([p[1] for p in pts])
+            windows.add(window)
+            ax.plot([p[0] for p in pts], cv, lw=1, label=r.name)
+            drew.append(r)
     if drew:
-        ax.legend()
-    save(fig, "expert_load.png")
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert load CV (mean over layers)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        smoothed = f", moving average of {max(windows)} steps" if max(windows) > 1 else ""
+        save(fig, "expert_load.png", f"expert load: coefficient of variation of tokens per expert{smoothed}", drew)
+    else:
+        plt.close(fig)
     return written
 
 
@@ -415,6 +513,34 @@ def target_loss_arg(text: str) -> float | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a validation loss (e.g. 3.5) "
                                          "or 'baseline'") from None
+
+
+class OutputError(Exception):
+    """An output path (--markdown, --json, --plots) that cannot be written: one line."""
+
+
+def prepare_output(flag: str, path: str, is_dir: bool) -> None:
+    """Create the folder ``path`` (is_dir) or the folder of the file ``path``, with its parents;
+    OutputError with the reason when that is impossible or ``path`` is of the wrong kind."""
+    folder = path if is_dir else (os.path.dirname(path) or ".")
+    if not is_dir and os.path.isdir(path):
+        raise OutputError(f"{flag} {path}: is a folder; expected a file name")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"{flag} {path}: {folder} exists and is not a folder") from None
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot create the folder {folder} ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK):
+        raise OutputError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def write_output(flag: str, path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise OutputError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
 
 
 def main(argv=None) -> int:
@@ -435,20 +561,37 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"compare_runs: error: {e}", file=sys.stderr)
         return 2
+    try:
+        for flag, path, is_dir in (("--markdown", args.markdown, False), ("--json", args.json, False),
+                                   ("--plots", args.plots, True)):
+            if path:
+                prepare_output(flag, path, is_dir)
+    except OutputError as e:
+        print(f"compare_runs: error: {e}", file=sys.stderr)
+        return 2
     table = markdown_table(rows)
     print(table)
     if target is not None:
         how = " (the baseline's final)" if args.target_loss == "baseline" else ""
         print(f"\ntarget validation loss: {target:.3f}{how}; baseline: {args.baseline or runs[0].name}")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(target_loss=target, rows=rows), f, indent=1)
-    if args.plots:
-        for p in make_plots(runs, rows, args.plots):
-            print("wrote", p)
+    try:
+        if args.markdown:
+            write_output("--markdown", args.markdown, table + "\n")
+        if args.json:
+            write_output("--json", args.json, json.dumps(dict(target_loss=target, rows=rows), indent=1))
+        if args.plots:
+            try:
+                written = make_plots(runs, rows, args.plots, target, args.baseline or runs[0].name)
+            except ImportError as e:
+                raise OutputError(f"--plots {args.plots}: plotting needs matplotlib ({e}): "
+                                  "pip install matplotlib") from None
+            except OSError as e:
+                raise OutputError(f"--plots {args.plots}: cannot write a plot there ({e.strerror or e})") from None
+            for p in written:
+                print("wrote", p)
+    except OutputError as e:
+        print(f"compare_runs: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

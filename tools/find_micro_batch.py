@@ -1,10 +1,14 @@
 """Find the largest micro-batch that fits on the GPU for a config (the paper's Table 3 search).
 
-    python tools/find_micro_batch.py configs/dmoe-xs.yaml                    # one GPU
-    python tools/find_micro_batch.py configs/moe-xs.yaml model.moe.capacity_factor=2 \\
-        --json benchmarks/results/repro-xs/micro_batch/moe-xs-cf2.json
-    python tools/find_micro_batch.py configs/gpt-small.yaml --nproc 8        # torchrun, 8 GPUs
-    python tools/find_micro_batch.py configs/dmoe-small.yaml --start 1       # pure doubling
+    megatron-moe-find-micro-batch dmoe-xs                                    # one GPU
+    megatron-moe-find-micro-batch moe-xs model.moe.capacity_factor=2 \\
+        --json results/micro_batch/moe-xs-cf2.json
+    megatron-moe-find-micro-batch gpt-small --nproc 8                        # torchrun, 8 GPUs
+    megatron-moe-find-micro-batch dmoe-small --start 1                       # pure doubling
+    megatron-moe-find-micro-batch my-configs/dmoe-xs-long.yaml               # a config file
+
+A config is a shipped config's name (gpt-xs, dmoe-xs, moe-xs, gpt-small, dmoe-small, ...) or a
+YAML file's path. From a source checkout ``python tools/find_micro_batch.py ...`` does the same.
 
 Candidates are the powers of two that divide ``global_batch_size / data-parallel size`` (the
 training program requires that division). The search starts at ``--start`` (default: the
@@ -20,11 +24,13 @@ so it needs |log2(answer / start)| + 2 trials at most. Each trial runs, in a sub
         train.exit_interval=2 train.eval_interval=0 train.save_interval=0 train.log_interval=1 \\
         logging.wandb=false logging.runs_dir=SCRATCH name=mbs-probe-M
 
-(``torchrun --standalone --nproc-per-node N -m megatron_moe.training ...`` with ``--nproc N``).
-Two optimizer steps cover the steady-state peak: the AdamW state exists from the first step
-on. The trial is stopped as soon as step 2 is in the scratch run's metrics.jsonl, so the
-checkpoint that ``exit_interval`` would write (about 44 GB for dmoe-small) is not waited
-for; the scratch directory is removed afterwards. Outcomes:
+(``torchrun --standalone --nproc-per-node N -m megatron_moe.training ...`` with ``--nproc N``),
+in the working directory it was started from, so relative paths in the overrides
+(``data.paths=[...]``, ``data.cache_dir=...``) mean what they mean to the caller; the config
+is passed as an absolute path. Two optimizer steps cover the steady-state peak: the AdamW
+state exists from the first step on. The trial is stopped as soon as step 2 is in the scratch
+run's metrics.jsonl, so the checkpoint that ``exit_interval`` would write (about 44 GB for
+dmoe-small) is not waited for; the scratch directory is removed afterwards. Outcomes:
 
 * ``fits``: step 2 was reached (its ``peak_mem_gb`` is recorded);
 * ``oom``: the output holds "CUDA out of memory", "OutOfMemoryError" or another
@@ -52,8 +58,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
-
-REPO = Path(__file__).resolve().parent.parent
 
 FITS, OOM, FAILED = "fits", "oom", "failed"
 
@@ -208,7 +212,8 @@ def trial_command(config: str, overrides: list[str], micro: int, runs_dir: str, 
 def make_subprocess_runner(config: str, overrides: list[str], nproc: int = 1, timeout_s: float = 1200,
                            scratch_parent: str | None = None, keep_log: Callable[[int, str], None] | None = None
                            ) -> Callable[[int], Trial]:
-    """A ``run_one`` that trains 2 steps in a subprocess in a scratch run directory."""
+    """A ``run_one`` that trains 2 steps in a subprocess in a scratch run directory (the
+    subprocess runs in the current working directory)."""
 
     def run_one(micro: int) -> Trial:
         scratch = tempfile.mkdtemp(prefix=f"find-mb-{micro}-", dir=scratch_parent)
@@ -220,7 +225,7 @@ def make_subprocess_runner(config: str, overrides: list[str], nproc: int = 1, ti
         reached, peak, rc = False, None, None
         try:
             with open(log_path, "w") as out:
-                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # its own group: torchrun's children too
                 try:
                     while True:
@@ -259,7 +264,7 @@ def make_subprocess_runner(config: str, overrides: list[str], nproc: int = 1, ti
 # ----------------------------------------------------------------------------- CLI
 
 
-def _load(config: str, overrides: list[str]):
+def _load(config: str, overrides: list[str], prog: str = "find_micro_batch.py"):
     from megatron_moe.megatron.yaml_config import find_config
     from megatron_moe.training.run_config import ConfigError, load_config
 
@@ -267,16 +272,17 @@ def _load(config: str, overrides: list[str]):
         path = find_config(config).resolve()
         return str(path), load_config(path, overrides)
     except ConfigError as e:
-        raise SystemExit(f"find_micro_batch.py: config error: {str(e).replace('--config ', 'config ', 1)}")
+        raise SystemExit(f"{prog}: config error: {str(e).replace('--config ', 'config ', 1)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="find_micro_batch.py",
         description="Largest power-of-two micro-batch that trains 2 steps without running out of "
-                    "GPU memory (each candidate in a subprocess).",
-        epilog="Overrides (key=value) go to every trial, e.g. model.moe.capacity_factor=1.5")
-    ap.add_argument("config", help="YAML config (a bare name looks in configs/)")
+                    "GPU memory (each candidate in a subprocess, in this working directory).",
+        epilog="Overrides (key=value) go to every trial, e.g. model.moe.capacity_factor=1.5.\n\n"
+               "examples:\n" + __doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="config name (e.g. dmoe-xs, one of the shipped configs) or a YAML file")
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     ap.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC", "1") or 1),
                     help="GPUs = data-parallel size; >1 runs under torchrun (default $NPROC or 1)")
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"override {bad[0]!r} is invalid: expected key=value, e.g. train.train_iters=60")
 
-    config, cfg = _load(args.config, args.overrides)
+    config, cfg = _load(args.config, args.overrides, ap.prog)
     gbs = cfg.train.global_batch_size
     try:
         cands = candidate_sizes(gbs, args.nproc)
@@ -309,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = search(cands, runner, start, log=lambda s: print("  " + s, file=sys.stderr, flush=True))
     except SearchError as e:
-        print(f"find_micro_batch.py: {cfg.name}: {e}", file=sys.stderr)
+        print(f"{ap.prog}: {cfg.name}: {e}", file=sys.stderr)
         return 1
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

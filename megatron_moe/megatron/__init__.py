@@ -17,6 +17,7 @@ Needs megatron-core (``pip install "megatron-moe[megatron]"``); Transformer Engi
 not used.
 """
 import importlib
+import importlib.util
 import warnings
 
 # megatron-core announces at import that Transformer Engine and Apex are absent: this
@@ -34,7 +35,16 @@ _EXPORTS = {
     "DenseOrMoEMLP": "spec", "get_aux_loss_scale": "spec", "layer_spec": "spec",
     "model_config_from_env": "spec", "moe_layer_spec": "spec", "set_aux_loss_scale": "spec",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS) + ["require"]
+
+
+def require(*packages: str, extra: str = "megatron") -> None:
+    """Raise one ImportError naming the missing packages and the install that brings them."""
+    dists = {"megatron": "megatron-core", "yaml": "pyyaml"}  # import name -> what pip installs
+    missing = [dists.get(p, p) for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ImportError(f"megatron-moe: {', '.join(missing)} not installed: pip install "
+                          f"\"megatron-moe[{extra}]\" (or pip install {' '.join(missing)})")
 
 
 def __getattr__(name: str):

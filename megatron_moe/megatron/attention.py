@@ -14,12 +14,16 @@ megatron's convention (bool, True = masked out, broadcastable to [b, heads, s_q,
 combined with the causal mask. Grouped-query attention (fewer key/value heads) is supported;
 packed sequences, attention bias and context parallelism are not (clear errors).
 
-Run its test: ``pytest tests/test_model.py -k attention``.
+Run its test: ``pytest tests/megatron/test_model.py -k attention``.
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
+
+from megatron_moe.megatron import require
+
+require("megatron")  # megatron-core, before its imports below
 
 import torch
 import torch.nn.functional as F

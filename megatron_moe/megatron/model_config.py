@@ -16,26 +16,18 @@ MoE layers: with ``moe_layer_freq = N`` the layers with (layer_number - 1) % N =
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 
 from megatron_moe._validation import check_bool, check_choice, check_int, check_number, invalid, is_int
 from megatron_moe.config import ACTIVATIONS, MoEConfig, canonical_mlp_impl
 
+from .yaml_config import build_dataclass
+
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 # MoEConfig fields that the model section sets for every layer, not model.moe.
 _FROM_MODEL = ("hidden_size", "ffn_hidden_size", "activation", "init_method_std", "output_init_std")
-
-
-def _unknown_keys(prefix: str, cls: type, data: dict) -> None:
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean {prefix}.{close[0]}?)" if close else ""
-            raise ValueError(f"unknown key {prefix}.{key}{hint}; valid keys: {', '.join(known)}")
 
 
 def _section_fields() -> list[tuple]:
@@ -86,10 +78,10 @@ def _to_moe_config(self, *, hidden_size: int, ffn_hidden_size: int, activation: 
 
 @classmethod
 def _section_from_dict(cls, data: dict):
+    """From the YAML mapping: unknown keys and wrong types named as ``model.moe.<key>``."""
     if not isinstance(data, dict):
         raise ValueError(f"model.moe={data!r} is invalid: expected a mapping of MoE settings or null")
-    _unknown_keys("model.moe", cls, data)
-    return cls(**data)
+    return build_dataclass(cls, data, "model.moe")
 
 
 MoESection = dataclasses.make_dataclass(
@@ -187,11 +179,11 @@ class ModelConfig:
     # ---- (de)serialisation ----------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
-        """From the YAML mapping; unknown keys are rejected with a "did you mean"."""
+        """From the YAML mapping: unknown keys (with a "did you mean") and wrong types named as
+        ``model.<key>``."""
         if not isinstance(data, dict):
             raise ValueError(f"model={data!r} is invalid: expected a mapping")
-        _unknown_keys("model", cls, data)
-        return cls(**data)
+        return build_dataclass(cls, data, "model")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -59,6 +59,10 @@ import os
 import shlex
 from typing import Optional
 
+from megatron_moe.megatron import require
+
+require("megatron")  # megatron-core, before its imports below
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state

@@ -29,7 +29,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
+from megatron_moe.megatron import require
+
+require("yaml")  # before its import below
+
+import yaml  # noqa: E402
 
 from megatron_moe._validation import is_int
 
@@ -133,15 +137,28 @@ def _resolve_file(path: Path, chain: tuple[Path, ...]) -> dict:
     if base is None:
         return data
     if not isinstance(base, str) or not base:
-        raise ConfigError(f"{path}: base={base!r} is invalid: expected the path of a config file "
-                          "(relative to this file)")
-    base_path = path.parent / base
-    if not base_path.exists():
-        raise ConfigError(f"{path}: base config {base_path} does not exist (base is relative to "
-                          "the file that names it)")
+        raise ConfigError(f"{path}: base={base!r} is invalid: expected a config file (relative to "
+                          "this file) or the name of a shipped config")
+    base_path = _find_base(path, base)
     parent = _resolve_file(base_path, (*chain, path))
     parent.pop("name", None)  # a run's name is never inherited
     return _deep_merge(parent, data)
+
+
+def _find_base(path: Path, base: str) -> Path:
+    """``base:`` of the file at ``path``: a file relative to it (``.yaml`` may be left out), else a
+    shipped config of that name."""
+    for cand in (path.parent / base, path.parent / f"{base}.yaml"):
+        if cand.is_file():
+            return cand
+    shipped = _shipped_dir()
+    name = Path(base).name
+    for cand in (shipped / name, shipped / f"{name}.yaml"):
+        if Path(base).parent == Path(".") and cand.is_file():
+            return cand
+    raise ConfigError(f"{path}: base config {base!r} does not exist: neither a file relative to this "
+                      f"one ({path.parent / base}) nor a shipped config (shipped: "
+                      f"{', '.join(shipped_configs()) or 'none'})")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_moe.kernels.activation import ACTIVATIONS
 from megatron_moe.kernels.blocksparse import dds, dsd, sdd, sdd_activation_grad, tsd
 from megatron_moe.kernels.metadata import Routing, block_topology
 from megatron_moe.kernels.permute import gather_rows, scatter_rows, scatter_rows_weight_grad
@@ -68,8 +69,8 @@ def blocksparse_mlp(x_TH, w1_EHF, w2_EFH, weights_TK, routing: Routing, activati
     T, H = x_TH.shape
     E, F = w2_EFH.shape[0], w2_EFH.shape[1]
     F1 = 2 * F if activation == "swiglu" else F
-    if activation not in ("gelu", "swiglu"):
-        raise ValueError(f"activation={activation!r} is invalid: expected 'gelu' or 'swiglu'")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is invalid: expected one of {ACTIVATIONS}")
     if tuple(w1_EHF.shape) != (E, H, F1) or tuple(w2_EFH.shape) != (E, F, H):
         raise ValueError(f"w1 {tuple(w1_EHF.shape)} / w2 {tuple(w2_EFH.shape)} do not fit x [{T}, {H}] "
                          f"({activation}: expected w1 [{E}, {H}, {F1}], w2 [{E}, {F}, {H}])")

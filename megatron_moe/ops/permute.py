@@ -7,8 +7,8 @@ One pass each, forward and backward (kernels/permute.py, layout='sorted'): the g
 gather is the unweighted sum over k, the gradient of the weighted sum is the weighted gather of dy
 plus the weights' gradient dy[t] · y_NH[row(t, k)]. Sums in fp32, one rounding. No host
 synchronisation. Replaces the torch chain zeros / index_copy / fp32 multiply / sum / cast (five
-passes over the rows, two of them in fp32): the same chain in the grouped_mm path took 1.5 ms of
-a 5.4 ms step on fine-64e-top8 (H200 profile, benchmarks/NOTES.md) before its fused passes.
+passes over the rows, two of them in fp32), a large share of a fine-grained layer's step
+(measured: see docs/performance.md).
 
 Legend: T tokens, K top_k, N = T*K assignments (rows), H hidden.
 """

@@ -3,10 +3,10 @@
     y_TH = torch_grouped_mm_mlp(x_TH, w1_EHF, w2_EFH, weights_TK, routing, "gelu")
 
 For large experts (thousands of rows each, e.g. 8 experts of ffn 14336) the vendor's grouped
-GEMM beats our Triton kernels by far (benchmarks/NOTES.md); for small and fine-grained experts
-the two paths are within ~10% of each other (README's layer benchmark). Same math, same weights, same routing metadata (counting
-sort on the GPU, no host synchronisation, unlike a sort + bincount), a deterministic backward
-(each token sums its own k rows in a fixed order; no atomics).
+GEMM is well ahead of our Triton kernels; for small and fine-grained experts the two paths are
+close (measured: see docs/performance.md). Same math, same weights, same routing metadata
+(counting sort on the GPU, no host synchronisation, unlike a sort + bincount), a deterministic
+backward (each token sums its own k rows in a fixed order; no atomics).
 
 Forward (s sorted position, t(s) its token, a(s) its assignment, row(a) its sorted position):
   x_NH = x[t(s)];  h = x_NH @ w1[e];  o = act(h) @ w2[e];  y[t] = Σ_k weight(t, k) o[row(t, k)]
@@ -78,21 +78,21 @@ class TorchGroupedMMMLP(torch.autograd.Function):
 
 
 def torch_grouped_mm_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
-                   routing: Routing, activation: str) -> torch.Tensor:
+                         routing: Routing, activation: str) -> torch.Tensor:
     """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e_tk]) @ w2[e_tk]) through torch._grouped_mm.
 
     Shapes and dtypes as :func:`megatron_moe.ops.triton_grouped_mlp.triton_grouped_mlp`. On CUDA,
     torch._grouped_mm needs bfloat16 and hidden/ffn sizes that are multiples of 8.
     """
     if not hasattr(torch, "_grouped_mm"):
-        raise RuntimeError(f"mlp_impl='grouped_mm' needs torch._grouped_mm (torch >= 2.8); this is torch "
-                           f"{torch.__version__}: use mlp_impl='grouped'")
+        raise RuntimeError(f"mlp_impl='torch_grouped_mm' needs torch._grouped_mm (torch >= 2.8); this is torch "
+                           f"{torch.__version__}: use mlp_impl='triton_grouped'")
     T, K = routing.num_tokens, routing.top_k
     H, F_ = x_TH.shape[1], w2_EFH.shape[1]
     if x_TH.is_cuda and (x_TH.dtype != torch.bfloat16 or H % 8 or F_ % 8):
-        raise ValueError(f"mlp_impl='grouped_mm' on CUDA needs bfloat16 and hidden_size, ffn_hidden_size "
+        raise ValueError(f"mlp_impl='torch_grouped_mm' on CUDA needs bfloat16 and hidden_size, ffn_hidden_size "
                          f"multiples of 8 (torch._grouped_mm); got {x_TH.dtype}, hidden {H}, ffn {F_}: "
-                         "use mlp_impl='grouped'")
+                         "use mlp_impl='triton_grouped'")
     if x_TH.shape[0] != T or weights_TK.shape != (T, K) or w1_EHF.shape[0] != routing.num_experts:
         raise ValueError(f"torch_grouped_mm_mlp: x {tuple(x_TH.shape)}, weights {tuple(weights_TK.shape)} and "
                          f"w1 {tuple(w1_EHF.shape)} do not match the routing (T={T}, K={K}, "

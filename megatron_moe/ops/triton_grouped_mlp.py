@@ -37,7 +37,6 @@ from megatron_moe.kernels.metadata import Routing
 from .master_grad import fp32_grad_of
 
 
-
 def _weight_grad(sink, dtype, a_MK, b_MN, offsets_E1, **kw):
     """grouped_wgrad for one weight: a new tensor in its dtype, or, when the weight is a bf16
     compute copy with a master gradient (``sink``, master_grad.MasterGrad), None after adding it in
@@ -115,7 +114,7 @@ class TritonGroupedMLP(torch.autograd.Function):
 
 
 def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
-                routing: Routing, activation: str, recompute_activation: bool = False) -> torch.Tensor:
+                       routing: Routing, activation: str, recompute_activation: bool = False) -> torch.Tensor:
     """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e_tk]) @ w2[e_tk]), in x's dtype.
 
     x_TH [T, H] (fp32/bf16/fp16); w1_EHF [E, H, F] (swiglu: [E, H, 2F], gate first) and
@@ -143,4 +142,4 @@ def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.T
     if offsets_E1.dtype != torch.int32:
         offsets_E1 = offsets_E1.to(torch.int32)
     return TritonGroupedMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N, routing.sorted_token_N,
-                            offsets_E1, K, activation, recompute_activation)
+                                  offsets_E1, K, activation, recompute_activation)

@@ -10,3 +10,7 @@
 
 Needs ``pip install "megatron-moe[train]"`` (megatron-core, sentencepiece, pyyaml; wandb optional).
 """
+
+from megatron_moe.megatron import require
+
+require("megatron", "yaml", "numpy", "sentencepiece", "tqdm", extra="train")

@@ -7,7 +7,7 @@
 
 MFU = flops_per_token * tokens/s per GPU / (peak_tflops * 1e12).
 
-Parameters (analytic; tests/test_model.py checks them against the built model): word embeddings
+Parameters (analytic; tests/megatron/test_model.py checks them against the built model): word embeddings
 V*h, learned positions s*h (not for rope), the output layer V*h unless tied; per layer two
 LayerNorms (2h each), QKV h*3h + 3h, projection h*h + h, then either the dense MLP
 (h*F*g + F*g + F*h + h, g = 2 for swiglu, else 1) or the MoE (router E*h, experts E*(h*Fe*g + Fe*h),

@@ -3,10 +3,12 @@
 Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metrics.jsonl``
 (flushed at once) and the same keys to W&B::
 
-    step, consumed_samples, lm_loss, aux_loss, z_loss, lr, grad_norm, tokens_per_s,
+    step, consumed_samples, tokens, lm_loss, aux_loss, z_loss, lr, grad_norm, tokens_per_s,
     tflops_per_gpu, mfu, step_time_s, peak_mem_gb, skipped_steps,
     expert_load/layerN/min_share, expert_load/layerN/max_share, expert_load/layerN/cv,
     expert_load/ep_rank_imbalance, expert_load/layerN/ep_rank_imbalance   (expert parallelism only)
+    a2a_ms, a2a_fraction                           (expert parallelism only: GPU time in the token
+                                                    all-to-alls, all layers, and its share of the step)
     dropped_fraction, dropped_fraction/layerN      (capacity models only)
     val_loss, val_ppl                              (evaluation steps only)
     world_size, data_train_tokens, data_epochs     (the first step of each start, resumes included)
@@ -15,7 +17,7 @@ Meanings: lm_loss is the mean token loss of the global batch; aux_loss (load bal
 z_loss are summed over the MoE layers, already times their coefficients, averaged over the
 micro-batches and ranks; lr is the step's learning rate; grad_norm the global norm before
 clipping; tokens_per_s counts the global batch over the step's wall time; tflops_per_gpu =
-flops_per_token (megatron_moe/flops.py: forward + backward, as in the paper) x tokens_per_s /
+flops_per_token (megatron_moe/training/flops.py: forward + backward, as in the paper) x tokens_per_s /
 GPUs; mfu = tflops_per_gpu / the GPU's dense bf16 peak (flops.peak_tflops); peak_mem_gb =
 torch.cuda.max_memory_allocated in GB (1e9 bytes). Expert load: share of the step's
 token->expert assignments (all ranks) per expert; cv = population std / mean of the counts;
@@ -168,8 +170,9 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            warnings.warn("logging.wandb is true but wandb is not installed: pip install wandb "
-                          "(or set logging.wandb=false); continuing without W&B")
+            print("megatron-moe-train: note: logging.wandb is true but wandb is not installed: pip "
+                  "install wandb (or \"megatron-moe[wandb]\"), or set logging.wandb=false; logging to "
+                  f"{self.path} only", file=sys.stderr, flush=True)
             return None
         mode = wandb_mode(cfg.logging.wandb_mode)
         id_file = self.run_dir / "wandb_run_id"

@@ -67,7 +67,7 @@ class TrainConfig:
     the CPU runs fp32."""
     bf16_params: bool = True
     """With bf16: the model computes with bf16 copies of its fp32 parameters, rounded once per
-    optimizer step, activations bf16 throughout (Megatron-LM's --bf16; megatron_moe/precision.py).
+    optimizer step, activations bf16 throughout (Megatron-LM's --bf16; megatron_moe/training/precision.py).
     false: torch.autocast over the fp32 parameters (LayerNorm, bias adds and the residual
     stream in fp32; slower)."""
     grad_accumulation_fusion: bool = True
@@ -76,7 +76,7 @@ class TrainConfig:
     writing bf16 gradients that a separate pass adds; the sums are then fp32 throughout."""
     fused_optimizer: bool = True
     """One pass per step over each parameter for the clipping scale, the AdamW update and the
-    bf16 copies' refresh (a Triton kernel, megatron_moe/optim.py) instead of three (a multiply,
+    bf16 copies' refresh (a Triton kernel, megatron_moe/training/optimizer.py) instead of three (a multiply,
     torch's fused AdamW, a copy). Same math; false runs the three."""
     seed: int = 1234
     """Seed of the model init, the data shuffling and every RNG."""
@@ -103,8 +103,8 @@ class TrainConfig:
     overlap_grad_reduce: bool = True
     """Data/expert-data parallelism: start each gradient bucket's all-reduce during the step's
     last backward, as soon as its gradients are complete, instead of after it (as Megatron's
-    --overlap-grad-reduce); the same update. On 4 H200s (steps 51-200, one call): dmoe-small
-    EP=4 0.70 -> 0.75 of one GPU, gpt-small DP=4 0.92 -> 0.96 (benchmarks/NOTES.md)."""
+    --overlap-grad-reduce); the same update, with the exchange hidden behind the backward
+    (measured: docs/expert-parallelism.md)."""
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms; on GPUs also
     CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring): identical losses for identical seeds on the

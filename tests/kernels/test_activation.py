@@ -1,39 +1,34 @@
-"""kernels/activation.py: the in-place (dL/dh, act(h)) pass against float64 formulas written here.
+"""kernels/activation.py: the in-place (dL/dh, act(h)) pass against float64 formulas (_float64.py).
 
 Triton under the interpreter on the CPU (tiles of 4 x 16, so the shapes below cut tiles in both
 directions), the compiled kernel on a GPU; fp32 tight, bf16 to its rounding.
 
-    pytest tests/test_activation.py
+    pytest tests/kernels/test_activation.py
 """
-import math
+import os
+import sys
 
 import pytest
 import torch
 
 from megatron_moe.kernels import activation as A
 
+sys.path.insert(0, os.path.dirname(__file__))
+import _float64 as f64  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def gelu_and_grad64(h):
-    c = math.sqrt(2 / math.pi)
-    u = c * (h + 0.044715 * h ** 3)
-    t = torch.tanh(u)
-    return 0.5 * h * (1 + t), 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * 0.044715 * h * h)
 
 
 def expected64(h, dact, activation):
     """(dL/dh, act) in float64 from the inputs as stored (rounded)."""
     h, dact = h.double().cpu(), dact.double().cpu()
     if activation == "gelu":
-        act, grad = gelu_and_grad64(h)
+        act, grad = f64.gelu_and_grad(h)
         return dact * grad, act
     F = dact.shape[1]
-    gate, up = h[:, :F], h[:, F:]
-    sig = 1 / (1 + torch.exp(-gate))
-    dgate = dact * up * (sig + gate * sig * (1 - sig))
-    return torch.cat([dgate, dact * gate * sig], 1), gate * sig * up
+    act, dgate, dup = f64.swiglu_and_grads(h[:, :F], h[:, F:])
+    return torch.cat([dact * dgate, dact * dup], 1), act
 
 
 def max_rel(got, want):

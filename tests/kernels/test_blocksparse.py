@@ -6,18 +6,22 @@ kernels write them and unused blocks / rows are fed NaN, so a skipped write or a
 unused block fails. CPU: Triton under the interpreter, block size 16 (conftest sets
 TRITON_INTERPRET). GPU: the same tests, plus ``gpu``-marked ones at block size 128.
 
-    pytest tests/test_blocksparse.py            # CPU: ~1-2 minutes
+    pytest tests/kernels/test_blocksparse.py            # CPU: ~1-2 minutes
 """
 import math
+import os
+import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_moe.kernels import blocksparse as bs
 from megatron_moe.kernels import permute as pm
 from megatron_moe.kernels.metadata import block_topology, routing_metadata
 from megatron_moe.ops.blocksparse_mlp import blocksparse_mlp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _float64 as f64  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered")  # exp(large) in the interpreter's sigmoid
 
@@ -94,16 +98,11 @@ def poisoned(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def gelu_tanh(x):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-
-
 def act_ref(h_G, activation):
+    """The activation of the pre-activation groups h_G (swiglu: gate, up); None: h_G[0]."""
     if activation is None:
         return h_G[0]
-    if activation == "gelu":
-        return gelu_tanh(h_G[0])
-    return F.silu(h_G[0]) * h_G[1]
+    return f64.activate(torch.cat(list(h_G), -1), activation)
 
 
 def assert_close(actual, expected, atol=1e-4, rtol=1e-4):
@@ -257,7 +256,7 @@ def test_sdd_activation_grad(case, activation, impl, device):
     ids, routing, gen, (T, K, E, Fdim) = setup_case(case, device, seed=1)
     N, G = 32, 2 if activation == "swiglu" else 1
     topo = block_topology(routing, Fdim)
-    P, Z = routing.max_padded_rows, topo.max_blocks
+    P = routing.max_padded_rows
     dy = torch.randn(P, N, generator=gen)
     w_EFN = torch.randn(E, Fdim, N, generator=gen)  # passed as the strided view w_ENF = wᵀ
     pre = random_blocks(G, topo, device, gen)
@@ -383,25 +382,6 @@ def test_shape_errors(device):
 # ----------------------------------------------------------------------------------------------
 
 
-def loop_moe(x, w1, w2, ids, weights, activation):
-    """y[t] = sum_k weights[t, k] * act(x[t] @ w1[e]) @ w2[e], token by token, in float64."""
-    T, K = ids.shape
-    rows = []
-    for t in range(T):
-        y_t = torch.zeros(x.shape[1], dtype=torch.float64)
-        for k in range(K):
-            e = int(ids[t, k])
-            h = x[t] @ w1[e]
-            if activation == "gelu":
-                a = gelu_tanh(h)
-            else:
-                gate, up = h.chunk(2)
-                a = gate * torch.sigmoid(gate) * up
-            y_t = y_t + weights[t, k] * (a @ w2[e])
-        rows.append(y_t)
-    return torch.stack(rows)
-
-
 def run_op_case(case, activation, dtype, device, seed=0):
     ids, routing, gen, (T, K, E, Fdim) = setup_case(case, device, seed=seed)
     H = 32
@@ -419,7 +399,7 @@ def run_op_case(case, activation, dtype, device, seed=0):
     got = [y] + [t.grad for t in leaves] + [w_dev.grad]
 
     ref_leaves = [t.to(dtype).double().requires_grad_() for t in (x, w1, w2)] + [weights.double().requires_grad_()]
-    y_ref = loop_moe(*ref_leaves[:3], ids, ref_leaves[3], activation)
+    y_ref = f64.loop_mlp(*ref_leaves[:3], ids, ref_leaves[3], activation)
     y_ref.backward(dy.to(dtype).double())
     expected = [y_ref] + [t.grad for t in ref_leaves]
     return got, expected, ids, E

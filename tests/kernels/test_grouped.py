@@ -4,10 +4,12 @@ Kernels are checked against their plain-PyTorch references with poisoned (NaN) o
 output and its gradients of x, w1, w2 and the router weights against a float64 per-token loop
 written here. On the CPU the kernels run under the Triton interpreter (tiny shapes; tile 16).
 
-    pytest tests/test_grouped.py            # CPU: interpreter
-    pytest tests/test_grouped.py -m gpu     # GPU-only cases (autotuned kernels, no host sync)
+    pytest tests/kernels/test_grouped.py            # CPU: interpreter
+    pytest tests/kernels/test_grouped.py -m gpu     # GPU-only cases (autotuned kernels, no host sync)
 """
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ import triton
 from megatron_moe.kernels import grouped as G
 from megatron_moe.kernels.metadata import routing_metadata
 from megatron_moe.ops.triton_grouped_mlp import triton_grouped_mlp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _float64 as f64  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -46,30 +51,6 @@ def routing_for(kind, T, E, K, device, seed=0):
     return ids_TK, routing_metadata(ids_TK, E, 16)
 
 
-# ----------------------------------------------------------------------------------------------
-# Independent float64 loop
-# ----------------------------------------------------------------------------------------------
-
-
-def loop_mlp(x, w1, w2, ids, weights, activation):
-    """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e]) @ w2[e]), one token and one k at a time."""
-    T, K = ids.shape
-    rows = []
-    for t in range(T):
-        y = torch.zeros(x.shape[1], dtype=x.dtype)
-        for k in range(K):
-            e = int(ids[t, k])
-            h = x[t] @ w1[e]
-            if activation == "gelu":
-                a = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
-            else:
-                gate, up = h[: h.numel() // 2], h[h.numel() // 2:]
-                a = gate / (1 + torch.exp(-gate)) * up
-            y = y + weights[t, k] * (a @ w2[e])
-        rows.append(y)
-    return torch.stack(rows)
-
-
 def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0, recompute_activation=False):
     ids_TK, routing = routing_for(kind, T, E, K, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -88,7 +69,7 @@ def check_op(T, H, F, E, K, kind, activation, dtype, device, seed=0, recompute_a
     y.backward(dy.to(device))
 
     ref_leaves = [t.detach().double().requires_grad_() for t in (x, w1, w2, wts)]
-    y_ref = loop_mlp(*ref_leaves[:3], ids_TK.cpu(), ref_leaves[3], activation)
+    y_ref = f64.loop_mlp(*ref_leaves[:3], ids_TK.cpu(), ref_leaves[3], activation)
     y_ref.backward(dy.double())
 
     tol = TOL[dtype]
@@ -237,13 +218,11 @@ def test_grouped_gemm_dact_kernel(activation, dtype, device, schedule):
     g = torch.stack([dy[int(t)].double() @ w2[int(e)].double().t() for t, e in zip(r.sorted_token_N, e_S)])
     h = pre.double()
     if activation == "gelu":
-        act, dact = G.gelu_and_grad_reference(h)
+        act, dact = f64.gelu_and_grad(h)
         dpre = g * dact * scale.double()[:, None]
     else:
-        gate, up = h.chunk(2, dim=1)
-        sig = torch.sigmoid(gate)
-        act = gate * sig * up
-        dpre = torch.cat([g * up * sig * (1 + gate * (1 - sig)), g * gate * sig], 1) * scale.double()[:, None]
+        act, dgate, dup = f64.swiglu_and_grads(*h.chunk(2, dim=1))
+        dpre = torch.cat([g * dgate, g * dup], 1) * scale.double()[:, None]
     assert rel_err(got[0], dpre) < TOL[dtype]
     assert rel_err(got[1], (g * act).sum(1)) < TOL[dtype]
     # in place: dpre lands in pre's storage, same values
@@ -341,13 +320,7 @@ def test_grouped_wgrad_activation_prologue(activation, dtype, device):
     want = G.grouped_wgrad_reference(pre, dy, r.expert_offsets_E1, a_activation=activation, a_scale_S=a_scale, **kw)
     assert rel_err(got, want) < TOL[dtype] / 2
     # float64 from pre
-    h = pre.double()
-    if activation == "gelu":
-        a64 = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
-    else:
-        gate, up = h[:, :F], h[:, F:]
-        a64 = gate / (1 + torch.exp(-gate)) * up
-    a64 = a64 * a_scale.double()[:, None]
+    a64 = f64.activate(pre.double(), activation) * a_scale.double()[:, None]
     e_S = torch.repeat_interleave(torch.arange(E, device=device), r.tokens_per_expert_E.long())
     dy_rows = dy[r.sorted_token_N.long()].double()
     direct = torch.stack([a64[e_S == e].t() @ dy_rows[e_S == e] for e in range(E)])
@@ -571,8 +544,8 @@ def test_padding_rows_are_skipped(device):
     (y[valid.to(device)] * dy[valid].to(device)).sum().backward()
 
     ref = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
-    y_ref = loop_mlp(ref[0][valid], ref[1], ref[2], ids[valid], torch.ones(int(valid.sum()), 1, dtype=torch.float64),
-                     "gelu")
+    y_ref = f64.loop_mlp(ref[0][valid], ref[1], ref[2], ids[valid],
+                         torch.ones(int(valid.sum()), 1, dtype=torch.float64), "gelu")
     y_ref.backward(dy[valid].double())
     assert rel_err(y[valid.to(device)].detach().cpu(), y_ref) < TOL[torch.float32]
     assert rel_err(leaves[0].grad[valid.to(device)].cpu(), ref[0].grad[valid]) < TOL[torch.float32]

@@ -1,7 +1,7 @@
 """The megatron-core GPT with our MoE: config validation, attention, losses, aux-loss gradient,
 expert marks, parameter and FLOP counts, bf16 autocast and bf16 parameters, the Megatron-LM --spec path, the paper configs.
 
-    pytest tests/test_model.py            # about a minute on 2 CPU cores
+    pytest tests/megatron/test_model.py            # about a minute on 2 CPU cores
 
 Tiny shapes throughout (2-3 layers, hidden 32); the paper configs are only counted, never built.
 """
@@ -102,7 +102,7 @@ def test_model_config_layers_and_moe_config():
     (dict(position_embedding_type="alibi"), r"model\.position_embedding_type='alibi'"),
     (dict(init_method_std=0), r"model\.init_method_std=0"),
     (dict(share_embeddings_and_output_weights="yes"), r"model\.share_embeddings_and_output_weights"),
-    (dict(moe={"topk": 1}), r"unknown key model\.moe\.topk \(did you mean model\.moe\.top_k\?\)"),
+    (dict(moe={"topk": 1}), r"unknown key 'model\.moe\.topk': did you mean 'model\.moe\.top_k'\?"),
     (dict(moe={"num_experts": 4, "top_k": 5}), r"model\.moe\.top_k=5 .*num_experts \(4\)"),
     (dict(moe={"mlp_impl": "dense"}), r"model\.moe\.mlp_impl='dense' is invalid"),
     (dict(moe={"block_size": 48}), r"model\.moe\.block_size=48"),
@@ -120,7 +120,7 @@ def test_model_config_errors_name_the_key(kwargs, message):
 
 
 def test_model_config_from_dict_rejects_unknown_keys():
-    with pytest.raises(ValueError, match=r"unknown key model\.hidden_sise \(did you mean model\.hidden_size\?\)"):
+    with pytest.raises(ValueError, match=r"unknown key 'model\.hidden_sise': did you mean 'model\.hidden_size'\?"):
         ModelConfig.from_dict({"hidden_sise": 64})
     cfg = ModelConfig.from_dict({"num_layers": 2, "moe": {"num_experts": 4}})
     assert cfg.moe.num_experts == 4 and ModelConfig.from_dict(cfg.to_dict()) == cfg
@@ -388,7 +388,7 @@ def test_bf16_autocast_forward_backward(ad):
 @pytest.mark.parametrize("impl", ["triton_grouped", "capacity"])
 def test_bf16_params_gpt_with_moe_matches_a_bf16_copy(ad, impl):
     """The megatron-core GPT with our MoE (experts keep their expert_parallel mark on the copies):
-    loss and every master gradient equal a deep copy cast to bf16 (megatron_moe/precision.py; buffers stay fp32 in both)."""
+    loss and every master gradient equal a deep copy cast to bf16 (megatron_moe/training/precision.py; buffers stay fp32 in both)."""
     from megatron_moe.training.precision import BF16Params
 
     cfg = tiny(moe={"num_experts": 4, "top_k": 2, "mlp_impl": impl}, position_embedding_type="rope",

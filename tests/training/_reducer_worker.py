@@ -1,6 +1,6 @@
-"""One rank of the overlapped gradient-reduction test (run by tests/test_grad_reduce.py, gloo).
+"""One rank of the overlapped gradient-reduction test (run by tests/training/test_grad_reduce.py, gloo).
 
-    python tests/_reducer_worker.py OUT_DIR EP   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+    python tests/training/_reducer_worker.py OUT_DIR EP   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
 
 A toy model of dense layers, "expert" parameters (expert_parallel=True) and one parameter that
 only rank 0 uses; two micro-batches of rank-specific data. The gradients are reduced once by

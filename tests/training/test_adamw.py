@@ -1,4 +1,4 @@
-"""The fused AdamW step (kernels/adamw.py, megatron_moe/optim.py) against a float64 loop of the
+"""The fused AdamW step (kernels/adamw.py, megatron_moe/training/optimizer.py) against a float64 loop of the
 AdamW update and against torch.optim.AdamW (scaled gradients, copies refreshed by hand).
 
 On the CPU the kernel runs under the Triton interpreter (tests/conftest.py): small sizes only.

@@ -1,6 +1,6 @@
 """Data pipeline: documents -> tokenizer -> .bin/.idx -> GPTDataset splits, cache, CLI, errors.
 
-    python -m pytest -q tests/test_data.py
+    python -m pytest -q tests/training/test_data.py
 
 References are independent of megatron_moe.training.data: token streams are rebuilt from the
 tokenizer's own encode(), GPT-2 BPE ids are worked out by hand for a vocabulary the test

@@ -1,10 +1,10 @@
 """When things go wrong: a new user's walk through bad input, skew, faults and broken data.
 
-    python -m pytest -q tests/test_faults.py          # about 1.5 minutes on 2 CPU cores
+    python -m pytest -q tests/training/test_faults.py          # about 1.5 minutes on 2 CPU cores
 
 Each case ends in one clear line that names the key, file or tensor and what would be valid
 (no traceback), or in a run that recovers exactly. The pieces are unit-tested elsewhere
-(tests/test_run_config.py, test_model.py, test_layer.py, test_data.py, test_train.py); here
+(tests/training/test_run_config.py, test_model.py, test_layer.py, test_data.py, test_train.py); here
 they are driven end to end the way a user meets them, mostly through the
 ``megatron-moe-train`` CLI, plus what only this file tests:
 
@@ -22,11 +22,11 @@ they are driven end to end the way a user meets them, mostly through the
     paths, and bounded memory over 20 steps of heavily skewed routing.
 
 Skewed routing on the CPU (all tokens to one expert, all experts empty but one, top_k =
-num_experts, capacity drops exactly the overflow) is tested in tests/test_layer.py. Here: a
+num_experts, capacity drops exactly the overflow) is tested in tests/layer/test_layer.py. Here: a
 float64 input to a Triton path names the layer input, and zero tokens go through the
 block-sparse CPU fallback (an expert-parallel rank may receive none).
 
-Training runs use the tiny-cpu config shrunk as in tests/test_train.py (seq 64, global batch
+Training runs use the tiny-cpu config shrunk as in tests/training/test_train.py (seq 64, global batch
 8, a 512-piece tokenizer on ~150 KB of stdlib sources), without W&B.
 """
 from __future__ import annotations

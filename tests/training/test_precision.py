@@ -1,8 +1,8 @@
-"""bf16 compute copies over fp32 masters (megatron_moe/precision.py): gradients accumulated in
+"""bf16 compute copies over fp32 masters (megatron_moe/training/precision.py): gradients accumulated in
 fp32 over micro-batches, tied and unused parameters, refresh, the reducer's readiness calls
-(the megatron-core GPT with our MoE: tests/test_model.py; training: tests/test_train.py).
+(the megatron-core GPT with our MoE: tests/megatron/test_model.py; training: tests/training/test_train.py).
 
-    pytest tests/test_precision.py -q        # seconds on the CPU
+    pytest tests/training/test_precision.py -q        # seconds on the CPU
 
 The independent reference throughout: a deep copy of the model cast to bf16 with ``.to()``,
 run on the same micro-batches, each micro-batch's gradients summed in float64.

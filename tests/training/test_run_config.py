@@ -1,6 +1,6 @@
 """Run configs: every file in configs/ loads; base inheritance; overrides; each error's message.
 
-    pytest tests/test_run_config.py -q
+    pytest tests/training/test_run_config.py -q
 """
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def test_base_cycle_is_detected(tmp_path):
 
 def test_missing_base(tmp_path):
     p = write(tmp_path / "a.yaml", "base: nope.yaml\n" + MINIMAL)
-    with pytest.raises(ConfigError, match=r"base config .*nope\.yaml does not exist"):
+    with pytest.raises(ConfigError, match=r"base config 'nope\.yaml' does not exist: neither a file relative "
+                                          r"to this one \(.*nope\.yaml\) nor a shipped config \(shipped: .*tiny-cpu"):
         load_config(p)
 
 
@@ -248,3 +249,30 @@ def test_cli_config_error_exits_2_with_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "did you mean 'train.lr'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_every_config_key_is_documented_with_its_default():
+    """docs/configuration.md lists each section's keys with their defaults: a key added, removed
+    or given another default in the code fails here until the page says the same."""
+    import dataclasses
+    import re
+
+    import yaml
+
+    from megatron_moe.megatron.model_config import ModelConfig, MoESection
+    from megatron_moe.megatron.yaml_config import _Loader
+    from megatron_moe.training.data import DataConfig
+    from megatron_moe.training.run_config import LoggingConfig, TrainConfig
+
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z0-9_.]+)` \| `([^`]*)` \|", doc, flags=re.M))
+    want = {}
+    for prefix, cls in (("model", ModelConfig), ("model.moe", MoESection), ("train", TrainConfig),
+                        ("data", DataConfig), ("logging", LoggingConfig)):
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            want[f"{prefix}.{f.name}"] = default
+    documented = {k: v for k, v in rows.items() if k.split(".")[0] in ("model", "train", "data", "logging")}
+    assert sorted(documented) == sorted(want)
+    for key, default in want.items():
+        assert yaml.load(documented[key], Loader=_Loader) == default, (key, documented[key], default)

@@ -1,6 +1,6 @@
 """The training program on the CPU: loss falls, metrics, W&B offline, checkpoints, resume.
 
-    pytest tests/test_train.py -q            # about 1-2 minutes on 2 cores
+    pytest tests/training/test_train.py -q            # about 1-2 minutes on 2 cores
 
 Training runs as ``python -m megatron_moe.training`` subprocesses (as a user runs it) with
 TRITON_INTERPRET unset, so the grouped MoE path takes its fast PyTorch fallback; the data is

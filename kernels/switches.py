@@ -1,0 +1,54 @@
+"""The kernels' A/B switches: environment variables, read here and nowhere else.
+
+| variable                | default                                   | set to                                        |
+| ----------------------- | ----------------------------------------- | --------------------------------------------- |
+| MEGATRON_MOE_AUTOTUNE   | each kernel tunes its configs per shape   | 0: each kernel runs its first config, untuned |
+|                         |                                           | (quick GPU test runs)                         |
+| MEGATRON_MOE_PERSISTENT | the row-grouped GEMM also tunes its       | 0: one program per tile only                  |
+|                         | persistent configs                        |                                               |
+| MEGATRON_MOE_TMA_ADD    | an accumulating fp32 weight gradient      | 0: the load-add-store only;                   |
+|                         | tunes TMA's reduce-add (sm_90+) against   | 1: the reduce-add only, where a tensor        |
+|                         | the kernel's own load-add-store           | descriptor of the output can be made          |
+| MEGATRON_MOE_W_TMA      | transposed 16-bit weights are read        | 0: pointer loads only                         |
+|                         | through a tensor descriptor (sm_90+)      |                                               |
+
+MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
+config where one can run.
+
+Each function reads the environment when it is called. The grouped GEMMs' config lists call
+:func:`autotune` and :func:`persistent` once, when kernels/grouped.py is imported (so that a
+single config never goes through the autotuner, which in some Triton versions benchmarks even
+one); everything else is read at each new tuning key (the autotuners' prune functions: the
+block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
+each launch (``tma_add_ok``, ``w_tma_ok``), so a test may set those after import. A choice
+already tuned for a key stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
+"""
+from __future__ import annotations
+
+import os
+
+
+def autotune() -> bool:
+    """MEGATRON_MOE_AUTOTUNE != "0": tune each kernel's configs per shape."""
+    return os.environ.get("MEGATRON_MOE_AUTOTUNE", "1") != "0"
+
+
+def tuning_candidates(configs: list) -> list:
+    """``configs`` when autotuning, else the first of them alone (MEGATRON_MOE_AUTOTUNE=0)."""
+    return configs if autotune() else configs[:1]
+
+
+def persistent() -> bool:
+    """MEGATRON_MOE_PERSISTENT != "0": the row-grouped GEMM may run its persistent configs."""
+    return os.environ.get("MEGATRON_MOE_PERSISTENT", "1") != "0"
+
+
+def tma_add() -> bool | None:
+    """MEGATRON_MOE_TMA_ADD: False ("0": never TMA's reduce-add), True ("1": only it, where it can
+    run), None (unset or any other value: the autotuner chooses)."""
+    return {"0": False, "1": True}.get(os.environ.get("MEGATRON_MOE_TMA_ADD"))
+
+
+def w_tma() -> bool:
+    """MEGATRON_MOE_W_TMA != "0": transposed weights may be read through a tensor descriptor."""
+    return os.environ.get("MEGATRON_MOE_W_TMA", "1") != "0"
