@@ -49,7 +49,8 @@ except (ImportError, AttributeError):
 
 from . import switches
 from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
-from .activation import ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_bwd, swiglu_bwd
+from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
+                         gelu_bwd, swiglu_bwd)
 from .metadata import max_row_blocks
 
 EPILOGUES = (None, *ACTIVATIONS)
@@ -856,8 +857,10 @@ def grouped_gemm_dact_reference(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, 
 
 
 def _activation_reference(pre_SX, activation, act_scale_S, out_dtype):
-    """The forward's act_out from its rounded pre-activation: act_scale(s) · act(pre), in out_dtype."""
-    act = activate(pre_SX.float(), activation)
+    """The forward's act_out from its rounded pre-activation: act_scale(s) · act(pre), in out_dtype,
+    with the kernel epilogue's GELU formula (torch's own gelu rounds differently)."""
+    h = pre_SX.float()
+    act = gelu_and_grad_reference(h)[0] if activation == "gelu" else activate(h, activation)
     if act_scale_S is not None:
         act = act * act_scale_S[:, None]
     return act.to(out_dtype)
