@@ -22,7 +22,6 @@ setup(
     license="Apache-2.0",
     license_files=["LICENSE"],
     classifiers=[
-        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
@@ -36,7 +35,7 @@ setup(
     # kernels/, tools/ and configs/ sit at the top of the repository and install inside the package
     package_dir={"megatron_moe.kernels": "kernels", "megatron_moe.tools": "tools",
                  "megatron_moe.configs": "configs"},
-    package_data={"megatron_moe.configs": ["*.yaml"]},
+    package_data={"megatron_moe.configs": ["*.yaml"], "megatron_moe.kernels": ["tuned/*.json"]},
     install_requires=["torch>=2.6", "triton>=3.3"],
     extras_require={
         "megatron": MEGATRON,

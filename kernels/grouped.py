@@ -36,6 +36,7 @@ metadata.py's N assignments:
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import triton
@@ -47,7 +48,7 @@ try:  # host-side TMA descriptors and their reduce-add (Triton 3.4+); without th
 except (ImportError, AttributeError):
     TensorDescriptor, _HAS_TMA_ADD = None, False
 
-from . import switches
+from . import switches, tuning
 from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
                          gelu_bwd, swiglu_bwd)
@@ -580,29 +581,41 @@ _TUNED: dict = {}
 
 
 def clear_tuning_cache() -> None:
-    """Forget every tuned config (the autotuners' and the launch cache): the next launches tune
-    again, e.g. after a change of a kernel's ``configs``."""
+    """Forget every tuned config in this process (the autotuners' and the launch cache): the next
+    launches tune again, e.g. after a change of a kernel's ``configs``, unless a config tuned under
+    the same kernel, candidates and switches is kept on disk (kernels/tuning.py)."""
     _TUNED.clear()
     _grouped_gemm_kernel.cache.clear()
     _grouped_wgrad_kernel.cache.clear()
 
 
 def _launch(kernel, grid, args, meta, tune_key):
-    """``kernel[grid](*args, **meta)``: through the autotuner the first time per key, then directly."""
+    """``kernel[grid](*args, **meta)``: through the autotuner the first time per key (unless an
+    earlier process stored its choice: kernels/tuning.py), then directly."""
     if interpret_mode():
         kernel[grid](*args, **meta)
         return
-    key = (kernel.fn.__name__, tune_key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)),
-           tuple(meta.items()))
+    dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+    key = (kernel.fn.__name__, tune_key, dtypes, tuple(meta.items()))
     cfg = _TUNED.get(key)
     if cfg is None:
-        kernel[grid](*args, **meta)
-        if getattr(kernel, "best_config", None) is not None:
-            _TUNED[key] = kernel.best_config
-    else:
-        if cfg.pre_hook is not None:  # as the autotuner does before each launch
-            cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **meta, **cfg.all_kwargs()})
-        kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        cfg = tuning.stored_config(kernel, key[1:], device)
+        if cfg is None:
+            tuned_before, start = len(kernel.cache), time.perf_counter()
+            kernel[grid](*args, **meta)
+            cfg = getattr(kernel, "best_config", None)
+            if cfg is not None:
+                _TUNED[key] = cfg
+                tuned_s = time.perf_counter() - start if len(kernel.cache) > tuned_before else None
+                tuning.remember(kernel, key[1:], device, cfg, tuned_s, label=f"K={tune_key[0]} N={tune_key[1]} "
+                                + " ".join(f"{k}={v}" for k, v in meta.items() if isinstance(v, str)))
+            return
+        _TUNED[key] = cfg
+        kernel.best_config = cfg  # as after tuning (benchmarks/profile_layer.py reads it)
+    if cfg.pre_hook is not None:  # as the autotuner does before each launch
+        cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **meta, **cfg.all_kwargs()})
+    kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,6 +11,8 @@
 |                         | the kernel's own load-add-store           | descriptor of the output can be made          |
 | MEGATRON_MOE_W_TMA      | transposed 16-bit weights are read        | 0: pointer loads only                         |
 |                         | through a tensor descriptor (sm_90+)      |                                               |
+| MEGATRON_MOE_TUNING_CACHE | tuned configs kept in                   | a folder: kept there; 0: not kept, not read   |
+|                         | ~/.cache/megatron-moe/tuning (tuning.py)  | (every process tunes)                         |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -47,6 +49,18 @@ def tma_add() -> bool | None:
     """MEGATRON_MOE_TMA_ADD: False ("0": never TMA's reduce-add), True ("1": only it, where it can
     run), None (unset or any other value: the autotuner chooses)."""
     return {"0": False, "1": True}.get(os.environ.get("MEGATRON_MOE_TMA_ADD"))
+
+
+def tuning_cache() -> str | None:
+    """MEGATRON_MOE_TUNING_CACHE: where kernels/tuning.py keeps tuned configs ("0": nowhere;
+    unset: its default folder)."""
+    return os.environ.get("MEGATRON_MOE_TUNING_CACHE") or None
+
+
+def fingerprint() -> str:
+    """The switches that change what the autotuners may choose, as one string: a tuned config
+    kept on disk (kernels/tuning.py) serves only the settings it was tuned under."""
+    return f"autotune={autotune()} persistent={persistent()} tma_add={tma_add()} w_tma={w_tma()}"
 
 
 def w_tma() -> bool:

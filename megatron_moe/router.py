@@ -117,9 +117,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        # Aux-loss-free balancing: selection bias and the loads counted since the last update.
+        # Aux-loss-free balancing: selection bias and the loads counted since the last update
+        # (the names megatron-core's TopKRouter uses: its finalize_model_grads updates both).
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
-        self.register_buffer("_load_since_update", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("local_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -148,7 +149,7 @@ class TopKRouter(nn.Module):
             if cfg.aux_loss_coeff > 0 else zero
         zl = cfg.z_loss_coeff * z_loss(logits_TE) if cfg.z_loss_coeff > 0 else zero
         if self.training and cfg.expert_bias:
-            self._load_since_update += tokens_per_expert_E.to(self._load_since_update.dtype)
+            self.local_tokens_per_expert += tokens_per_expert_E.to(self.local_tokens_per_expert.dtype)
         return RouterOutput(expert_ids_TK, weights_TK, tokens_per_expert_E, aux, zl)
 
     @torch.no_grad()
@@ -157,7 +158,7 @@ class TopKRouter(nn.Module):
         over all ranks (call it on every rank)."""
         if not self.cfg.expert_bias:
             return
-        load_E = self._load_since_update
+        load_E = self.local_tokens_per_expert
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(load_E)  # every rank applies the same update
         if load_E.sum() > 0:

@@ -5,7 +5,12 @@ layer spec (no fork of Megatron).
     # Megatron-LM: pretrain_gpt.py --spec megatron_moe.megatron.spec layer_spec ...
 
 - spec.py: ``moe_layer_spec`` / ``layer_spec`` (megatron-core's local GPT layer with SDPA
-  attention and :class:`DenseOrMoEMLP`), the aux-loss gradient, the Megatron-LM environment.
+  attention and :class:`DenseOrMoEMLP`: its expert-parallel group and expert marks), the
+  Megatron-LM environment.
+- flags.py: ``resolve_model_config``: Megatron's MoE flags (TransformerConfig) and our config as
+  one model description, with the precedence between them.
+- aux_loss.py: the aux-loss gradient at the LM loss's scale, derived at run time
+  (``set_aux_loss_scale`` overrides it).
 - model.py: ``init_megatron``, ``build_gpt_model`` (a GPTModel with our fused LM loss),
   ``moe_layers``.
 - attention.py: ``SDPAttention`` (torch's scaled_dot_product_attention; flash attention on GPUs
@@ -32,8 +37,9 @@ _EXPORTS = {
     "build_gpt_model": "model", "init_megatron": "model", "layer_mlps": "model", "moe_layers": "model",
     "transformer_config": "model",
     "ModelConfig": "model_config", "MoESection": "model_config",
-    "DenseOrMoEMLP": "spec", "get_aux_loss_scale": "spec", "layer_spec": "spec",
-    "model_config_from_env": "spec", "moe_layer_spec": "spec", "set_aux_loss_scale": "spec",
+    "DenseOrMoEMLP": "spec", "layer_spec": "spec", "model_config_from_env": "spec", "moe_layer_spec": "spec",
+    "aux_loss_scale": "aux_loss", "get_aux_loss_scale": "aux_loss", "set_aux_loss_scale": "aux_loss",
+    "resolve_model_config": "flags",
 }
 __all__ = sorted(_EXPORTS) + ["require"]
 

@@ -14,10 +14,11 @@ replaced:
 
 The MoE layer's aux loss (load balancing + z-loss) reaches the LM loss's gradient: the MLP
 output passes through an autograd function that returns it unchanged and, in backward, gives the
-aux loss the gradient ``aux_loss_scale`` (``set_aux_loss_scale``, default 1.0; the training
-program sets 1 / num_micro_batches), so a plain ``lm_loss.backward()`` trains the router. Expert
-weights carry ``expert_parallel = True`` (ours) and ``allreduce = False`` (megatron-core's mark of
-expert params).
+aux loss the gradient the LM loss has (aux_loss.py: derived at run time from megatron-core's
+schedule; our training program fixes it with ``set_aux_loss_scale``), so a plain
+``lm_loss.backward()`` trains the router. Expert weights carry ``expert_parallel = True`` (ours)
+and ``allreduce = False`` (megatron-core's mark of expert params: its DDP reduces them over the
+expert-data-parallel group, its optimizer and gradient clipping count them in the expert groups).
 
 Linear layers: megatron-core's own linear autograd function has custom_fwd/custom_bwd bound to
 CUDA, so under CPU autocast its backward fails (bf16 gradient times fp32 weight). The spec uses
@@ -25,26 +26,22 @@ CUDA, so under CPU autocast its backward fails (bf16 gradient times fp32 weight)
 dict) whose matmul is ``F.linear`` when nothing tensor-parallel is asked for.
 
 From Megatron-LM's own training script (``--spec <module> <attribute>``: Megatron-LM imports the
-module and takes the attribute, a layer ``ModuleSpec``, as ``transformer_layer_spec``)::
+module and takes the attribute, a layer ``ModuleSpec``, as ``transformer_layer_spec``), configured
+by Megatron's own MoE flags (flags.py maps them onto our layer)::
 
-    MEGATRON_MOE_CONFIG=dmoe-xs \\
-    MEGATRON_MOE_AUX_LOSS_SCALE=0.0625 \\
     torchrun --nproc-per-node 8 pretrain_gpt.py --spec megatron_moe.megatron.spec layer_spec \\
-        --transformer-impl local --num-layers 6 --hidden-size 512 --num-attention-heads 8 \\
-        --ffn-hidden-size 2048 --seq-length 1024 --max-position-embeddings 1024 \\
-        --micro-batch-size 4 --global-batch-size 512 --bf16 \\
-        --no-persist-layer-norm --no-masked-softmax-fusion ...     # (no --num-experts)
+        --num-experts 64 --moe-router-topk 1 --moe-router-pre-softmax --moe-aux-loss-coeff 0.0166667 \\
+        --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion \\
+        --no-gradient-accumulation-fusion --num-layers 6 --hidden-size 512 ...
 
-(0.0625 = 1 / (512 / (4 * 8)) micro-batches per step.) Our MoE settings reach the layers through
-the environment, read when the model is built: ``MEGATRON_MOE_CONFIG`` (a run config of this
-project, by path or shipped name; its ``model:`` section, with ``base:`` inheritance, is used),
-``MEGATRON_MOE_OVERRIDES`` (optional ``key=value`` overrides, space separated) and
-``MEGATRON_MOE_AUX_LOSS_SCALE`` (optional: Megatron-LM divides the LM loss by the number of
-micro-batches per step but its schedule only rescales its own MoE aux losses, and it refuses
-``--num-experts`` together with ``--spec``, so set 1 / num_micro_batches here). Megatron-LM's model
-sizes must match the config's (a clear error says which does not). Under Megatron-LM,
-``expert_bias`` biases are not updated (call ``megatron_moe.update_expert_biases`` after the
-optimizer step if you use them).
+Our settings that Megatron has no flag for (``mlp_impl``, ``block_size``, ...) come from
+``MEGATRON_MOE_CONFIG`` (a run config of this project, by path or shipped name: its ``model:``
+section) and ``MEGATRON_MOE_OVERRIDES`` (``key=value`` pairs, space separated), both optional
+with ``--num-experts``; without ``--num-experts`` the config gives the MoE settings (and no MoE
+section means dense layers: our SDPA attention with megatron-core's MLP). Expert biases
+(``--moe-router-enable-expert-bias``) are updated by megatron-core's ``finalize_model_grads``
+after each backward, as for its own router; Megatron's distributed checkpoints hold our experts
+as shards of the expert-parallel-size-1 tensors (``DenseOrMoEMLP.sharded_state_dict``).
 
 Limits: tensor-model-parallel size 1 for MoE layers (dense layers follow megatron-core), no
 sequence/context parallelism, no dropout, LayerNorm, biases in attention and the dense MLP (none
@@ -54,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import shlex
 from typing import Optional
@@ -66,6 +62,7 @@ require("megatron")  # megatron-core, before its imports below
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -77,6 +74,8 @@ from megatron_moe.layer import DroplessMoE
 from megatron_moe.parallel import init_parallel_groups
 
 from .attention import SDPAttention
+from .aux_loss import AuxLossToGrad, get_aux_loss_scale, log_aux_losses, set_aux_loss_scale
+from .flags import resolve_model_config
 from .model_config import ModelConfig
 from .yaml_config import ConfigError, apply_overrides, build_dataclass, find_config, read_config_file
 
@@ -87,43 +86,6 @@ __all__ = ["moe_layer_spec", "layer_spec", "DenseOrMoEMLP", "AuxLossToGrad", "Co
 ENV_CONFIG = "MEGATRON_MOE_CONFIG"
 ENV_OVERRIDES = "MEGATRON_MOE_OVERRIDES"
 ENV_AUX_LOSS_SCALE = "MEGATRON_MOE_AUX_LOSS_SCALE"
-
-# ---------------------------------------------------------------------------------------------
-# aux loss -> gradient
-# ---------------------------------------------------------------------------------------------
-_aux_loss_scale = 1.0
-
-
-def set_aux_loss_scale(scale: float) -> None:
-    """The gradient the MoE aux losses get in backward (1.0 = as if added to the loss; the
-    train loop sets 1 / num_micro_batches, matching its scaling of the LM loss)."""
-    global _aux_loss_scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
-            or scale < 0:
-        raise ValueError(f"set_aux_loss_scale({scale!r}): expected a finite number >= 0")
-    _aux_loss_scale = float(scale)
-
-
-def get_aux_loss_scale() -> float:
-    return _aux_loss_scale
-
-
-class AuxLossToGrad(torch.autograd.Function):
-    """Identity on ``output``; in backward, ``aux_loss`` gets the gradient ``aux_loss_scale``.
-
-    The gradient is given each time a backward pass runs through this node (as megatron-core's
-    MoEAuxLossAutoScaler does): one ``loss.backward()`` per forward. A second differentiation
-    through the same graph (``autograd.grad`` of another loss) would add it again."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.aux_shape, ctx.aux_dtype, ctx.aux_device = aux_loss.shape, aux_loss.dtype, aux_loss.device
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        grad_aux = torch.full(ctx.aux_shape, _aux_loss_scale, dtype=ctx.aux_dtype, device=ctx.aux_device)
-        return grad_output, grad_aux
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,21 +144,36 @@ class DenseOrMoEMLP(MegatronModule):
     Built from a ModuleSpec: ``ModuleSpec(DenseOrMoEMLP, params={"model_cfg": cfg})``. The layer number
     comes from ``params["layer_number"]`` or, as megatron-core's TransformerLayer does for every
     MLP right after building it, from ``set_layer_number`` (global, 1-based, pipeline offset
-    included). ``model_cfg=None`` reads the config named by ``$MEGATRON_MOE_CONFIG``.
+    included). The layer's settings: ``resolve_model_config(config, model_cfg)`` (flags.py):
+    Megatron's MoE flags where ``config.num_moe_experts`` is set, else ``model_cfg``;
+    ``model_cfg=None`` reads $MEGATRON_MOE_CONFIG / $MEGATRON_MOE_OVERRIDES (optional with
+    ``--num-experts``).
+
+    Expert parallelism: with megatron-core's parallel state initialised with an
+    expert-model-parallel size > 1, or ``num_moe_experts`` set, the experts are split over
+    megatron-core's expert-model-parallel group (Megatron-LM's ``--expert-model-parallel-size``);
+    otherwise over our own groups (``model.moe.expert_parallel_size``, our training program).
     """
 
     def __init__(self, config: TransformerConfig, model_cfg: Optional[ModelConfig] = None,
                  layer_number: Optional[int] = None, **unused_kwargs):
         super().__init__(config=config)
         if model_cfg is None:
-            model_cfg = model_config_from_env()
-        if not isinstance(model_cfg, ModelConfig):
+            ours, source = _env_model_section()
+            if config.num_moe_experts is None and not os.environ.get(ENV_CONFIG):
+                raise RuntimeError(
+                    f"megatron_moe layer_spec needs the MoE settings: Megatron's MoE flags "
+                    f"(--num-experts ...) or {ENV_CONFIG}=path/to/config.yaml (a megatron-moe run "
+                    "config, e.g. configs/dmoe-xs.yaml)")
+        elif isinstance(model_cfg, ModelConfig):
+            ours, source = model_cfg, "the ModelConfig given to the spec"
+        else:
             raise TypeError(f"DenseOrMoEMLP(model_cfg=...): expected a ModelConfig, got {type(model_cfg).__name__}")
-        _check_matches(model_cfg, config)
-        self.model_cfg = model_cfg
+        self.model_cfg = resolve_model_config(config, ours, source)
         self.layer_number: Optional[int] = None
         self.dense: Optional[MLP] = None
         self.moe: Optional[DroplessMoE] = None
+        self._edp_rank = 0
         if layer_number is not None:
             self.set_layer_number(layer_number)
 
@@ -221,13 +198,72 @@ class DenseOrMoEMLP(MegatronModule):
             if tp != 1:
                 raise ValueError(f"megatron-moe MoE layers need tensor-model-parallel size 1, got {tp} "
                                  "(--tensor-model-parallel-size 1; data parallelism is fine)")
-            ep = self.model_cfg.moe.expert_parallel_size
-            ep_group = init_parallel_groups(ep, moe_cfg.num_experts).ep_group if ep > 1 else None
+            ep_group = self._expert_parallel_group(moe_cfg.num_experts)
             with torch.device(_init_device(self.config)):
                 self.moe = DroplessMoE(moe_cfg, ep_group=ep_group)
             for p in self.moe.experts.parameters():
-                p.allreduce = False  # megatron-core's mark of expert params
-                p.expert_parallel = True
+                # megatron-core's mark of expert params: its DDP reduces their gradients over the
+                # expert-data-parallel group, its optimizer keeps them in the expert param groups
+                # (their grad norm summed over the expert-model-parallel group)
+                p.allreduce = False
+                p.expert_parallel = True  # ours (training/grad_reduce.py, checkpoints)
+
+    def _expert_parallel_group(self, num_experts: int):
+        """megatron-core's expert-model-parallel group, or ours (see the class docstring)."""
+        ep = self.model_cfg.moe.expert_parallel_size
+        megatron_ep = 1
+        if parallel_state.model_parallel_is_initialized():
+            megatron_ep = parallel_state.get_expert_model_parallel_world_size()
+            etp = parallel_state.get_expert_tensor_parallel_world_size()
+            if etp != 1:
+                raise ValueError(f"megatron-moe MoE layers need expert-tensor-parallel size 1, got {etp} "
+                                 "(--expert-tensor-parallel-size 1)")
+        if megatron_ep > 1 or self.config.num_moe_experts is not None:
+            if ep != megatron_ep:
+                raise ValueError(
+                    f"model.moe.expert_parallel_size={ep} but megatron-core's parallel state has "
+                    f"expert-model-parallel size {megatron_ep} (--expert-model-parallel-size; "
+                    "parallel_state.initialize_model_parallel(expert_model_parallel_size=...)): "
+                    "make them equal")
+            if ep == 1:
+                return None
+            self._edp_rank = parallel_state.get_expert_data_parallel_rank()
+            return parallel_state.get_expert_model_parallel_group()
+        if ep == 1:
+            return None
+        groups = init_parallel_groups(ep, num_experts)
+        self._edp_rank = groups.rank // ep  # our expert-data-parallel groups: {j, j + P, j + 2P, ...}
+        return groups.ep_group
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """megatron-core's distributed checkpoint of this MLP: its default (every tensor replicated
+        over data parallelism), with each expert weight under expert parallelism a shard of the
+        EP = 1 tensor [E, ...] along the expert axis, replicated over the expert-data-parallel
+        group, as megatron-core's own experts do. Checkpoints thus hold the same global tensors at
+        any expert-parallel size."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.moe is not None and self.moe.ep_size > 1:
+            axis = len(sharded_offsets)
+            replica = (0, 0, self._edp_rank)  # the expert-data-parallel rank
+            for name, param in self.moe.experts.named_parameters():
+                key = f"{prefix}moe.experts.{name}"
+                sharded[key] = ShardedTensor.from_rank_offsets(
+                    key, param, *sharded_offsets, (axis, self.moe.ep_rank, self.moe.ep_size),
+                    replica_id=replica, prepend_axis_num=axis)
+        return sharded
+
+    def _apply(self, fn, *args, **kwargs):
+        # Megatron-LM's Float16Module casts every floating buffer to bf16/fp16; the router's
+        # expert bias and the loads counted for it stay fp32 (as megatron-core's TopKRouter keeps
+        # its expert_bias), so small bias updates and large counts are not rounded away.
+        super()._apply(fn, *args, **kwargs)
+        if self.moe is not None:
+            router = self.moe.router
+            for name in ("expert_bias", "local_tokens_per_expert"):
+                buf = getattr(router, name)
+                if buf.is_floating_point() and buf.dtype != torch.float32:
+                    setattr(router, name, buf.float())
+        return self
 
     @property
     def is_moe(self) -> bool:
@@ -245,51 +281,56 @@ class DenseOrMoEMLP(MegatronModule):
         out = self.moe(hidden_states)
         aux = self.moe.aux_loss
         if torch.is_grad_enabled() and aux is not None and aux.requires_grad:
-            out = AuxLossToGrad.apply(out, aux)
+            if self.config.calculate_per_token_loss:
+                # Megatron divides every gradient by the global batch's token count: give the aux
+                # loss this rank's token count, as megatron-core's router does
+                aux = aux * (hidden_states.numel() // hidden_states.shape[-1])
+            out = AuxLossToGrad.apply(out, aux, self.config)
+            if self.training and self.config.num_moe_experts is not None:
+                log_aux_losses(self.moe, self.layer_number, self.config)
         return out, None
-
-
-def _check_matches(model_cfg: ModelConfig, config: TransformerConfig) -> None:
-    """The megatron TransformerConfig and our ModelConfig must describe the same layer."""
-    pairs = [("hidden_size", model_cfg.hidden_size, config.hidden_size, "--hidden-size"),
-             ("ffn_hidden_size", model_cfg.ffn_hidden_size, config.ffn_hidden_size, "--ffn-hidden-size"),
-             ("num_layers", model_cfg.num_layers, config.num_layers, "--num-layers")]
-    for key, ours, theirs, flag in pairs:
-        if ours != theirs:
-            raise ValueError(f"model.{key}={ours} in the megatron-moe config but megatron's "
-                             f"TransformerConfig has {key}={theirs} ({flag}): make them equal")
-    gated = model_cfg.activation == "swiglu"
-    if bool(config.gated_linear_unit) != gated:
-        raise ValueError(f"model.activation={model_cfg.activation!r} in the megatron-moe config but "
-                         f"megatron's gated_linear_unit={config.gated_linear_unit} (--swiglu): make them agree")
 
 
 _env_config_cache: dict = {}
 
 
-def model_config_from_env() -> ModelConfig:
-    """The ``model:`` section of the run config named by $MEGATRON_MOE_CONFIG (+ $MEGATRON_MOE_OVERRIDES)."""
-    path = os.environ.get(ENV_CONFIG)
-    if not path:
-        raise RuntimeError(f"megatron_moe layer_spec needs the model config: set {ENV_CONFIG}=path/to/"
-                           "config.yaml (a megatron-moe run config, e.g. configs/dmoe-xs.yaml)")
-    overrides = os.environ.get(ENV_OVERRIDES, "")
-    key = (os.path.abspath(path), overrides)
-    if key not in _env_config_cache:  # every layer asks: load the YAML once
-        try:
-            data = apply_overrides(read_config_file(find_config(path)), shlex.split(overrides))
-            _env_config_cache[key] = build_dataclass(ModelConfig, data.get("model") or {}, "model")
-        except ConfigError as e:
-            raise ConfigError(f"{ENV_CONFIG}={path}: {e}") from None
-    cfg = _env_config_cache[key]
+def _env_model_section() -> tuple[Optional[dict], str]:
+    """The ``model:`` mapping of $MEGATRON_MOE_CONFIG with $MEGATRON_MOE_OVERRIDES applied (only
+    the keys they state), or None when neither is set; and how to name it in errors. Sets the aux
+    loss scale from $MEGATRON_MOE_AUX_LOSS_SCALE when that is set."""
     scale = os.environ.get(ENV_AUX_LOSS_SCALE)
     if scale:
         try:
             set_aux_loss_scale(float(scale))
         except ValueError:
             raise ValueError(f"{ENV_AUX_LOSS_SCALE}={scale!r} is invalid: expected a number >= 0 "
-                             "(1 / micro-batches per step)") from None
-    return cfg
+                             "(1 / micro-batches per step; unset, it is derived at run time)") from None
+    path = os.environ.get(ENV_CONFIG) or None
+    overrides = os.environ.get(ENV_OVERRIDES, "")
+    if path is None and not overrides.strip():
+        return None, ""
+    source = " + ".join(([f"{ENV_CONFIG}={path}"] if path else []) + ([f"{ENV_OVERRIDES}"] if overrides else []))
+    key = (os.path.abspath(path) if path else None, overrides)
+    if key not in _env_config_cache:  # every layer asks: load the YAML once
+        try:
+            data = read_config_file(find_config(path)) if path else {}
+            _env_config_cache[key] = apply_overrides(data, shlex.split(overrides)).get("model") or {}
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    return _env_config_cache[key], source
+
+
+def model_config_from_env() -> ModelConfig:
+    """The ModelConfig that $MEGATRON_MOE_CONFIG (+ $MEGATRON_MOE_OVERRIDES) states by itself,
+    without Megatron's flags (the layers resolve it with them: :func:`resolve_model_config`)."""
+    section, source = _env_model_section()
+    if section is None:
+        raise RuntimeError(f"set {ENV_CONFIG}=path/to/config.yaml (a megatron-moe run config, e.g. "
+                           f"configs/dmoe-xs.yaml) or {ENV_OVERRIDES}")
+    try:
+        return build_dataclass(ModelConfig, section, "model")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------

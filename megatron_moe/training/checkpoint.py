@@ -14,7 +14,14 @@ A save writes everything into ``.tmp-iter_XXXXXXX``, fsyncs each file and the fo
 the folder to ``iter_XXXXXXX`` and only then replaces ``latest`` atomically (write
 ``latest.tmp``, fsync, ``os.replace``). A crash at any point leaves ``latest`` naming the
 previous complete checkpoint. ``load_checkpoint`` checks that every file named in meta.json is
-there with its size before reading any of it.
+there with its size before reading any of it, and the names and shapes of the weights before
+loading them: a checkpoint that does not fit is refused with every missing, unexpected and
+reshaped entry listed, numbered names merged (``decoder.layers.{0..5}.mlp.moe.experts.w1:
+[64, 512, 2048] -> [64, 768, 3072]``).
+
+Resuming with another config: ``config_changes(meta["config"], cfg.to_dict())`` lists the keys
+whose values differ; ``shape_changes`` picks those a checkpoint cannot load across (the model's
+shape: ``SHAPE_KEYS``), so the trainer can refuse them before it builds anything.
 
 Data parallelism: parameters are replicated, so rank 0 writes the model and optimizer; each
 rank writes its RNG states; barriers order the steps when torch.distributed is initialised.
@@ -42,6 +49,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +64,9 @@ CKPT_DIRNAME = "checkpoints"
 LATEST = "latest"
 
 __all__ = ["CheckpointError", "save_checkpoint", "latest_checkpoint", "load_checkpoint",
-           "verify_checkpoint", "checkpoint_dir", "get_rng_state", "set_rng_state"]
+           "verify_checkpoint", "checkpoint_dir", "get_rng_state", "set_rng_state",
+           "state_dict_mismatch", "group_numbered", "ConfigChange", "ABSENT", "config_changes",
+           "shape_changes", "SHAPE_KEYS", "FFN_KEYS"]
 
 
 class CheckpointError(RuntimeError):
@@ -291,16 +301,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     if shards:
         for name in shards[0]["params"]:
             state[name] = torch.cat([sh["params"][name] for sh in shards])
-    ep_rank = groups.ep_rank if groups is not None else 0
+    ep_rank, ep_size = (groups.ep_rank, groups.ep_size) if groups is not None else (0, 1)
     local = {n: p.shape[0] for n, p in model.named_parameters() if n in experts}
-    for name, n_local in local.items():
-        if name in state and state[name].shape[0] != n_local:
+    for name, n_local in local.items():  # all experts in the file, this rank's share in the model
+        if name in state and state[name].shape[0] == n_local * ep_size != n_local:
             state[name] = state[name][ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this model (was the model config "
-                              f"changed?): {str(e).splitlines()[0]}") from None
+    _load_model_state(path, model, state)
     if optimizer is not None:
         if "optimizer.pt" not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no optimizer state")
@@ -318,7 +324,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
             if st is None:
                 continue
             for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] != n_local:
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_local * ep_size != n_local:
                     st[k] = v[ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
         try:
             optimizer.load_state_dict(opt_state)
@@ -331,6 +337,142 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         else:
             meta["rng_restored"] = False  # saved with fewer ranks: RNG streams start anew
     return meta
+
+
+def _load_model_state(path: Path, model: torch.nn.Module, state: dict) -> None:
+    """model.load_state_dict(state, strict=True), after checking the names and shapes first:
+    a checkpoint that does not fit raises one CheckpointError listing every missing,
+    unexpected and reshaped entry (torch's own message is long and cut off by the CLI)."""
+    lines = state_dict_mismatch(state, model.state_dict())
+    if lines:
+        raise CheckpointError(f"checkpoint {path} does not fit this model (was the model config changed?); "
+                              "its weights against the model's, one kind and pattern per line below\n  "
+                              + "\n  ".join(lines))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not fit this model (was the model config "
+                              f"changed?): {' '.join(str(e).split())}") from None
+
+
+def _shape(v: Any) -> str:
+    return str(list(v.shape)) if torch.is_tensor(v) else "(no tensor)"
+
+
+def state_dict_mismatch(saved: dict, expected: dict) -> list[str]:
+    """What keeps ``saved`` from loading where ``expected`` (a model's state_dict) is: lines
+    ``missing: NAME [shape]`` (the model's, absent from saved), ``unexpected: NAME [shape]``
+    and ``shape: NAME: [saved] -> [model]``; names alike but for their layer (or other) numbers
+    with the same shapes share a line (``decoder.layers.{0..5}.mlp.moe.experts.w1``). Empty when
+    it fits."""
+    rows = [(n, "missing", f" {_shape(v)}") for n, v in expected.items() if n not in saved]
+    rows += [(n, "unexpected", f" {_shape(v)}") for n, v in saved.items() if n not in expected]
+    rows += [(n, "shape", f": {_shape(saved[n])} -> {_shape(v)}") for n, v in expected.items()
+             if n in saved and torch.is_tensor(v) and _shape(saved[n]) != _shape(v)]
+    return [f"{kind}: {name}{detail}" for name, kind, detail in group_numbered(rows)]
+
+
+def group_numbered(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Rows (dotted name, kind, detail) with names that differ in one integer part only, and
+    the same kind and detail, merged into one: layers.0.w, layers.1.w, layers.3.w ->
+    layers.{0..1,3}.w. Each integer position is merged in turn, so a name keeps every number it
+    stands for, and only those."""
+    parts = [(tuple(name.split(".")), kind, detail) for name, kind, detail in rows]
+    for i in range(max((len(p) for p, _, _ in parts), default=0)):
+        merged: dict[tuple, list[int | None]] = {}  # (name with part i blanked, kind, detail) -> numbers
+        for p, kind, detail in parts:
+            numbered = i < len(p) and p[i].isdigit()
+            key = (p[:i] + ("",) + p[i + 1:] if numbered else p, kind, detail)
+            merged.setdefault(key, []).append(int(p[i]) if numbered else None)
+        parts = [(p if numbers == [None] else p[:i] + (_spans(numbers),) + p[i + 1:], kind, detail)
+                 for (p, kind, detail), numbers in merged.items()]
+    return [(".".join(p), kind, detail) for p, kind, detail in parts]
+
+
+def _spans(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '{0..2,5}'; one number stays itself."""
+    if len(numbers) == 1:
+        return str(numbers[0])
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return "{" + ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs) + "}"
+
+
+# ----------------------------------------------------------------------------- resuming with another config
+
+# Config keys that set the model's parameters (their shapes or their number): a checkpoint made
+# with other values cannot load. model.seq_length joins them with learned position embeddings
+# (the position table has a row per position); the MLP widths when a layer's width changes
+# (``_ffn_widths``). Not among them: model.moe.expert_parallel_size (expert shards are re-sliced on
+# load), the world size (parameters are replicated) and model.moe.expert_bias (its buffer is in
+# every router, used or not).
+SHAPE_KEYS = frozenset({
+    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.vocab_size",
+    "model.position_embedding_type", "model.activation", "model.share_embeddings_and_output_weights",
+    "model.moe", "model.moe.num_experts", "model.moe.moe_layer_freq",
+    "model.moe.shared_expert_ffn_hidden_size"})
+FFN_KEYS = frozenset({"model.ffn_hidden_size", "model.moe.ffn_hidden_size"})
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A config key whose value differs between a checkpoint's run and this one; ``ABSENT``
+    where one side has no such key (a key added to or removed from the program since)."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
+
+
+ABSENT = "(absent)"
+
+
+def _show(v: Any) -> str:
+    """A config value as YAML writes it; a whole section (model.moe switched on) as {...}."""
+    if isinstance(v, dict):
+        return "{...}"
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def config_changes(saved: dict, new: dict, prefix: str = "") -> list[ConfigChange]:
+    """Every key whose value differs between two resolved configs (RunConfig.to_dict(), the
+    checkpoint's meta["config"] and this run's), in the new config's order; a section that is
+    null on one side (model.moe: a dense model) is one change."""
+    changes = []
+    for k in [*new, *(k for k in saved if k not in new)]:
+        old_v, new_v, key = saved.get(k, ABSENT), new.get(k, ABSENT), f"{prefix}{k}"
+        if isinstance(old_v, dict) and isinstance(new_v, dict):
+            changes += config_changes(old_v, new_v, f"{key}.")
+        elif old_v != new_v:
+            changes.append(ConfigChange(key, old_v, new_v))
+    return changes
+
+
+def _ffn_widths(cfg: dict) -> tuple[int | None, int | None]:
+    """(the dense layers' MLP width, the experts'), None where the model has no such layer."""
+    model = cfg.get("model", {})
+    moe = model.get("moe")
+    if not isinstance(moe, dict):
+        return model.get("ffn_hidden_size"), None
+    dense = model.get("num_layers", 1) > 1 and moe.get("moe_layer_freq", 1) > 1  # layer 2 is dense
+    return (model.get("ffn_hidden_size") if dense else None,
+            moe.get("ffn_hidden_size") or model.get("ffn_hidden_size"))
+
+
+def shape_changes(changes: list[ConfigChange], saved: dict, new: dict) -> list[ConfigChange]:
+    """The changes (``config_changes(saved, new)``) a checkpoint cannot load across: SHAPE_KEYS,
+    model.seq_length with learned position embeddings, and the MLP widths if a layer's changes."""
+    learned = new.get("model", {}).get("position_embedding_type") == "learned_absolute"
+    widths_change = _ffn_widths(saved) != _ffn_widths(new)
+    return [c for c in changes if c.key in SHAPE_KEYS or (learned and c.key == "model.seq_length")
+            or (widths_change and c.key in FFN_KEYS)]
 
 
 # ----------------------------------------------------------------------------- expert shards

@@ -20,6 +20,17 @@ class FaultHooks:
     into the temporary folder, so a test can kill the process in the middle of the write."""
     bf16_on_cpu: bool = False
     """``train.bf16`` applies on the CPU too (it is GPU-only otherwise), to test the bf16 paths."""
+    raise_oom_at_step: int | None = None
+    """0: the start-up, once the model is built; N >= 1: step N, before its first forward.
+    There the run raises the CPU allocator's out-of-memory error (a RuntimeError with
+    torch's own text), as a micro-batch too large for the memory does, without allocating any."""
+
+    def out_of_memory(self, step: int) -> None:
+        """Raise the allocator's error if ``raise_oom_at_step`` is ``step``."""
+        if self.raise_oom_at_step == step:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                               "allocate memory: you tried to allocate 68719476736 bytes. Error code 12 "
+                               "(Cannot allocate memory)")
 
 
 hooks = FaultHooks()

@@ -12,6 +12,8 @@ Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metric
     dropped_fraction, dropped_fraction/layerN      (capacity models only)
     val_loss, val_ppl                              (evaluation steps only)
     world_size, data_train_tokens, data_epochs     (the first step of each start, resumes included)
+    config_changes                                 (the first step after a resume with a changed config:
+                                                    {key: [old, new]})
 
 Meanings: lm_loss is the mean token loss of the global batch; aux_loss (load balancing) and
 z_loss are summed over the MoE layers, already times their coefficients, averaged over the
@@ -25,10 +27,12 @@ ep_rank_imbalance = the busiest expert-parallel rank's assignments over the mean
 experts' counts summed; 1 = balanced, P = all on one of P ranks; the top-level key averages the
 layers): under expert parallelism the other ranks wait for the busiest at every exchange.
 ``mfu`` and ``peak_mem_gb`` are null on the CPU; non-finite numbers are written as null.
-W&B runs offline unless WANDB_API_KEY is set (or ``logging.wandb_mode: online``); its files go
-under ``run_dir/wandb``; the run id is kept in ``run_dir/wandb_run_id`` so a resumed run
-continues the same W&B run. Nothing here waits on the network: an online init that fails
-falls back to no W&B with a warning.
+W&B (``WandbRun``): ``logging.wandb_mode: auto`` runs online when W&B has credentials
+(WANDB_API_KEY or a ``wandb login``), else offline, and says which and why in one console line;
+its files go under ``run_dir/wandb``; a resumed run continues the same W&B run without logging a
+step twice; the console names the run's URL, or the offline folders and the ``wandb sync``
+command that uploads them, at the start and at the end. Nothing here waits long on the network:
+an online init that fails or takes over 15 s falls back to offline with a one-line warning.
 
     from megatron_moe.training.metrics import MetricsLogger
     log = MetricsLogger(cfg, run_dir, enabled=(rank == 0), resume_step=0)
@@ -41,23 +45,18 @@ import json
 import math
 import os
 import secrets
+import shlex
 import string
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["MetricsLogger", "StepProfiler", "ep_rank_imbalance", "expert_load_stats", "format_line",
-           "wandb_mode"]
+__all__ = ["MetricsLogger", "StepProfiler", "WandbRun", "ep_rank_imbalance", "expert_load_stats",
+           "format_line", "wandb_credentials", "wandb_mode"]
 
-
-def wandb_mode(setting: str) -> str:
-    """'auto' -> 'online' when WANDB_API_KEY is set, else 'offline'; others unchanged."""
-    if setting == "auto":
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return setting
+PROG = "megatron-moe-train"
 
 
 def expert_load_stats(tokens_per_expert_LE: torch.Tensor, names: list[str]) -> dict[str, float]:
@@ -139,7 +138,7 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = None
-        self.wandb_run = None
+        self.wandb: WandbRun | None = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +148,7 @@ class MetricsLogger:
             self.path.unlink(missing_ok=True)
         self._file = open(self.path, "a", buffering=1)
         if cfg.logging.wandb:
-            self.wandb_run = self._init_wandb(cfg, resume=resume_step > 0)
+            self.wandb = WandbRun.start(cfg, self.run_dir, resume_step)
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines of steps after ``step`` (logged before a crash, redone after resume)."""
@@ -166,41 +165,10 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
 
-    def _init_wandb(self, cfg, resume: bool):
-        try:
-            import wandb
-        except ImportError:
-            print("megatron-moe-train: note: logging.wandb is true but wandb is not installed: pip "
-                  "install wandb (or \"megatron-moe[wandb]\"), or set logging.wandb=false; logging to "
-                  f"{self.path} only", file=sys.stderr, flush=True)
-            return None
-        mode = wandb_mode(cfg.logging.wandb_mode)
-        id_file = self.run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if (resume and id_file.exists()) else None
-        if run_id is None:
-            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-        kwargs = dict(project=cfg.logging.wandb_project, group=cfg.logging.wandb_group,
-                      name=cfg.name, config=cfg.to_dict(), dir=str(self.run_dir), mode=mode,
-                      id=run_id, resume="allow",
-                      settings=wandb.Settings(silent=True, init_timeout=30))
-        try:
-            run = wandb.init(**kwargs)
-        except Exception as e:  # never let logging stop a training run
-            if mode == "offline":
-                warnings.warn(f"wandb.init failed ({e}); continuing without W&B")
-                return None
-            warnings.warn(f"wandb.init online failed ({e}); logging offline instead")
-            try:
-                run = wandb.init(**{**kwargs, "mode": "offline"})
-            except Exception as e2:
-                warnings.warn(f"wandb.init offline failed too ({e2}); continuing without W&B")
-                return None
-        id_file.write_text(run_id + "\n")
-        return run
-
     @property
     def wandb_dir(self) -> str | None:
-        return None if self.wandb_run is None else getattr(self.wandb_run.settings, "sync_dir", None)
+        """This start's W&B folder (run_dir/wandb/run-* or offline-run-*), None without W&B."""
+        return None if self.wandb is None else self.wandb.sync_dir
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
@@ -208,28 +176,222 @@ class MetricsLogger:
         row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self.wandb_run is not None:
-            try:
-                self.wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None},
-                                   step=int(step))
-            except Exception as e:  # pragma: no cover - a W&B hiccup must not stop training
-                print(f"warning: wandb.log failed at step {step}: {e}", file=sys.stderr)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, int(step))
 
     def summary(self, values: dict) -> None:
-        if self.wandb_run is not None:
-            for k, v in values.items():
-                self.wandb_run.summary[k] = _clean(v)
+        if self.wandb is not None:
+            self.wandb.summary({k: _clean(v) for k, v in values.items()})
 
     def close(self, exit_code: int = 0) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self.wandb_run is not None:
-            try:
-                self.wandb_run.finish(exit_code=exit_code)
-            except Exception as e:  # pragma: no cover
-                print(f"warning: wandb.finish failed: {e}", file=sys.stderr)
-            self.wandb_run = None
+        if self.wandb is not None:
+            self.wandb.finish(exit_code)
+            self.wandb = None
+
+
+# ----------------------------------------------------------------------------- Weights & Biases
+
+
+def wandb_credentials() -> str | None:
+    """Where W&B would take credentials from, or None: WANDB_API_KEY (or
+    WANDB_IDENTITY_TOKEN_FILE), else a login stored by ``wandb login`` (the netrc entry for the
+    W&B host, or an ``api_key`` in wandb's settings files).
+
+    The stored login is found by wandb's own lookup (``wbauth.authenticate_session``, what
+    wandb.init and wandb.login run before they send anything), with prompting and session
+    updates off: it reads the environment and files only, no network call and no writes. A key
+    is not verified here; a wrong one fails the online init, which then falls back to offline."""
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(var):
+            return var
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        host = wandb_setup.singleton().settings.base_url
+        found = wbauth.authenticate_session(host=host, source=PROG, prompt=False, update_session=False)
+    except Exception:  # a malformed netrc or key, another wandb version: no usable login
+        return None
+    return "the login stored by `wandb login`" if found is not None else None
+
+
+def wandb_mode(setting: str) -> tuple[str, str]:
+    """(mode, why) for ``logging.wandb_mode``: 'auto' is 'online' when W&B has credentials
+    (``wandb_credentials``), else 'offline'; 'online' and 'offline' are taken as they are."""
+    if setting != "auto":
+        return setting, f"logging.wandb_mode={setting}"
+    source = wandb_credentials()
+    if source:
+        return "online", f"logging.wandb_mode=auto and W&B credentials from {source}"
+    return "offline", ("logging.wandb_mode=auto and no W&B credentials; set WANDB_API_KEY or run "
+                       "`wandb login` to log online")
+
+
+def _say(message: str) -> None:
+    print(f"W&B: {message}", flush=True)
+
+
+def _warn(message: str) -> None:
+    print(f"{PROG}: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _shown(path: str | Path) -> str:
+    """``path`` relative to the working directory where it lies below it, shell-quoted."""
+    path = Path(path).resolve()
+    try:
+        path = path.relative_to(Path.cwd().resolve())
+    except ValueError:
+        pass
+    return shlex.quote(str(path))
+
+
+class WandbRun:
+    """The W&B run of a run directory (rank 0), continued by every resume, one row per step.
+
+    The run id is kept in ``run_dir/wandb_run_id``; the last step given to W&B in
+    ``run_dir/wandb_last_step`` ("ID STEP", rewritten atomically after each logged step). A run
+    resumes from its last checkpoint, so the steps after it that were logged before a crash are
+    run again: they are not logged to W&B again (only to metrics.jsonl, which was cut back to the
+    checkpoint). W&B history cannot be rewritten, and the alternatives duplicate or fail:
+
+    * offline, each wandb.init makes a new ``offline-run-*`` folder (wandb 0.31 refuses to reuse
+      one), and ``wandb sync`` uploads the folders of one run id one after another in order of
+      start time, appending their rows: redone steps would be uploaded twice;
+    * online, wandb ignores a step below the run's current one, with a warning for each;
+    * rewinding (``resume_from="ID?_step=N"``) replaces rows, but the server does it at an online
+      init: an offline init only notes the branch point, and the init fails where the server
+      does not have the run yet (a first attempt that ran offline and was not synced).
+
+    Skipping behaves the same online, offline and in ``wandb sync``, so the folders of a run
+    never overlap. W&B keeps the values logged before the crash for the redone steps (identical
+    when the resume is exact; the console says which steps); steps wandb had not yet written
+    when the process was killed outright (it writes its log every few seconds, and a SIGTERM or
+    SIGKILL skips the final write) stay missing in W&B: a gap, never a duplicate.
+
+    The console gets, at the start and at the end, the run's URL or its offline folder with the
+    ``wandb sync`` command that uploads all the run's offline folders.
+    """
+
+    def __init__(self, run, mode: str, run_dir: Path, run_id: str, last_step: int):
+        self.run, self.mode, self.run_dir, self.id = run, mode, run_dir, run_id
+        self.last_step = last_step
+        self._last_file = run_dir / "wandb_last_step"
+
+    @classmethod
+    def start(cls, cfg, run_dir: Path, resume_step: int) -> WandbRun | None:
+        """Init W&B for a run that starts after ``resume_step`` (0: a fresh run, a new id); None
+        without wandb installed (a one-line note) or when no init worked."""
+        try:
+            import wandb
+        except ImportError:
+            print(f"{PROG}: note: logging.wandb is true but wandb is not installed: pip "
+                  "install wandb (or \"megatron-moe[wandb]\"), or set logging.wandb=false; logging to "
+                  f"{run_dir / 'metrics.jsonl'} only", file=sys.stderr, flush=True)
+            return None
+        run_id, last_step = cls._previous(run_dir) if resume_step > 0 else (None, 0)
+        run_id = run_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        mode, why = wandb_mode(cfg.logging.wandb_mode)
+        _say(f"{mode} ({why})")
+        run, mode = cls._init(wandb, mode, cls._init_kwargs(wandb, cfg, run_dir, run_id))
+        if run is None:
+            return None
+        (run_dir / "wandb_run_id").write_text(run_id + "\n")
+        wb = cls(run, mode, run_dir, run_id, last_step)
+        if last_step > resume_step:
+            _say(f"steps {resume_step + 1}-{last_step} went to W&B before this resume and are not "
+                 f"logged again (metrics.jsonl has the redone values); W&B goes on at step {last_step + 1}")
+        _say(wb.where())
+        return wb
+
+    @staticmethod
+    def _previous(run_dir: Path) -> tuple[str | None, int]:
+        """(run id, last step W&B got) of the run directory's W&B run; the step counts only
+        when it was written for that id."""
+        id_file, last_file = run_dir / "wandb_run_id", run_dir / "wandb_last_step"
+        run_id = id_file.read_text().strip() if id_file.exists() else None
+        if not run_id or not last_file.exists():
+            return run_id, 0
+        parts = last_file.read_text().split()
+        ok = len(parts) == 2 and parts[0] == run_id and parts[1].isdigit()
+        return run_id, int(parts[1]) if ok else 0
+
+    @staticmethod
+    def _init_kwargs(wandb, cfg, run_dir: Path, run_id: str) -> dict:
+        """wandb.init's arguments but the mode. ``dir`` is absolute because wandb-core, a
+        process of its own, writes the transaction log relative to its own working directory.
+        An online init waits at most 15 s, the upload at the end at most 60 s (what is left
+        then stays in the local folder): W&B never holds up a job."""
+        return dict(project=cfg.logging.wandb_project, group=cfg.logging.wandb_group, name=cfg.name,
+                    config=cfg.to_dict(), dir=str(run_dir.resolve()), id=run_id, resume="allow",
+                    settings=wandb.Settings(silent=True, init_timeout=15, finish_timeout=60))
+
+    @staticmethod
+    def _init(wandb, mode: str, kwargs: dict):
+        """(run, mode): wandb.init in ``mode``; an online init that fails tries offline once."""
+        try:
+            return wandb.init(mode=mode, **kwargs), mode
+        except Exception as e:  # never let logging stop a training run
+            if mode == "offline":
+                _warn(f"W&B init failed ({_one_line(e)}); continuing without W&B")
+                return None, mode
+            _warn(f"W&B online init failed ({_one_line(e)}); logging offline instead")
+        try:
+            return wandb.init(mode="offline", **kwargs), "offline"
+        except Exception as e:
+            _warn(f"W&B offline init failed too ({_one_line(e)}); continuing without W&B")
+            return None, "offline"
+
+    @property
+    def sync_dir(self) -> str | None:
+        return getattr(self.run.settings, "sync_dir", None)
+
+    def offline_folders(self) -> list[Path]:
+        """This run's offline folders under run_dir/wandb, one per start, oldest first."""
+        files = (self.run_dir / "wandb").glob(f"offline-run-*/run-{self.id}.wandb")
+        return sorted(f.parent for f in files)
+
+    def where(self) -> str:
+        """Where W&B writes: the run's URL, or its offline folder and the upload command."""
+        if self.mode == "online":
+            return f"online run {getattr(self.run, 'url', None) or self.sync_dir}"
+        folders = " ".join(_shown(f) for f in self.offline_folders() or [self.sync_dir])
+        return f"offline run in {_shown(self.sync_dir)}; upload with: wandb sync {folders}"
+
+    def log(self, values: dict, step: int) -> None:
+        """Log ``values`` at ``step`` unless W&B already has that step (see the class)."""
+        if step <= self.last_step:
+            return
+        try:
+            self.run.log(values, step=step)
+            self._remember(step)
+        except Exception as e:  # a W&B hiccup must not stop training
+            _warn(f"wandb.log failed at step {step} ({_one_line(e)})")
+
+    def _remember(self, step: int) -> None:
+        self.last_step = step
+        tmp = self._last_file.with_name(self._last_file.name + ".tmp")
+        tmp.write_text(f"{self.id} {step}\n")
+        os.replace(tmp, self._last_file)
+
+    def summary(self, values: dict) -> None:
+        for k, v in values.items():
+            self.run.summary[k] = v
+
+    def finish(self, exit_code: int) -> None:
+        """Finish the run (at most 60 s of upload at the end) and say again where it is."""
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as e:  # pragma: no cover
+            _warn(f"wandb.finish failed ({_one_line(e)})")
+        _say(self.where())
 
 
 class StepProfiler:

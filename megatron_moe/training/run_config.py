@@ -148,10 +148,12 @@ class TrainConfig:
                   "overlap_grad_reduce"):
             if not isinstance(getattr(self, f), bool):
                 invalid(f"train.{f}", getattr(self, f), "expected true or false")
-        if self.lr_warmup_iters > self.decay_iters:
+        if self.lr_warmup_iters > self.decay_iters:  # either key may be the one that changed
+            key = "train.train_iters" if self.lr_decay_iters is None else "train.lr_decay_iters"
+            why = ", as train.lr_decay_iters is null" if self.lr_decay_iters is None else ""
             invalid("train.lr_warmup_iters", self.lr_warmup_iters,
-                  f"expected <= the decay length ({self.decay_iters}: train.lr_decay_iters, "
-                  "or train.train_iters when it is null)")
+                    f"expected <= the decay length ({key}={self.decay_iters}{why}): lower "
+                    f"train.lr_warmup_iters or raise {key}")
 
     @property
     def decay_iters(self) -> int:
@@ -163,12 +165,13 @@ class LoggingConfig:
     runs_dir: str = "runs"
     """Parent of the run directories: a run writes to runs_dir/name."""
     wandb: bool = True
-    """Log to Weights & Biases (offline unless there is an API key, see wandb_mode)."""
+    """Log to Weights & Biases (offline unless W&B has credentials, see wandb_mode)."""
     wandb_project: str = "megatron-moe"
     wandb_group: str | None = None
     """Runs of one comparison share a group (W&B shows them side by side)."""
     wandb_mode: str = "auto"
-    """'auto' (online when WANDB_API_KEY is set, else offline), 'online' or 'offline'."""
+    """'auto' (online when W&B has credentials: WANDB_API_KEY or a `wandb login`; else offline),
+    'online' or 'offline'."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.runs_dir, str) or not self.runs_dir:

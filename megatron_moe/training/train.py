@@ -17,8 +17,14 @@ ranks holding the same experts (``model.moe.expert_parallel_size``).
 
 A run, in the order this file reads:
   * ``pretrain(cfg, resume)``: the checks that need no process group, the process group, the
-    metrics logger; then ``build`` (seeds, data, model, optimizer, precision), ``restore`` (the
-    latest checkpoint, last, so its RNG states are what the next step sees) and ``_loop``.
+    run directory's lock (run_lock.py: rank 0 takes it before anything reads or writes the
+    directory, the other ranks learn the outcome; released at the end, whatever the end);
+    then ``_train``: the checkpoint to resume and the config's changes since it (a change of
+    the model's shape stops the run before anything is built; the others are printed and
+    logged as ``config_changes`` with the first step), the metrics logger, ``build`` (seeds,
+    data, model, optimizer, precision), ``restore`` (the latest checkpoint, last, so its RNG
+    states are what the next step sees) and ``_loop``. Running out of memory anywhere there
+    ends the run with one line naming train.micro_batch_size and the ways out.
   * each step (``train_step``): ``global_batch_size / (micro_batch_size * data-parallel size)``
     micro-batches (LM loss scaled by 1/num_micro, the aux losses too via
     ``set_aux_loss_scale``), the bucketed all-reduce, the global gradient norm, then one host
@@ -30,9 +36,9 @@ A run, in the order this file reads:
 
 The data order is a function of the consumed-sample count, so ``--resume`` continues exactly:
 N steps + resume N steps give the same losses as 2N straight. The run directory
-``logging.runs_dir/name`` holds config.yaml, metrics.jsonl, wandb/ and checkpoints/
-(checkpoint.py, metrics.py). A fresh start in a run directory that has checkpoints is refused
-(pass --resume or another name=...); --resume with no checkpoint starts from scratch.
+``logging.runs_dir/name`` holds .lock, config.yaml, metrics.jsonl, wandb/ and checkpoints/
+(run_lock.py, checkpoint.py, metrics.py). A fresh start in a run directory that has checkpoints
+is refused (pass --resume or another name=...); --resume with no checkpoint starts from scratch.
 
 Non-finite steps: if the step's LM loss or global gradient norm is NaN/Inf the update is
 skipped (weights and optimizer state stay as they were); the step still counts (its data is
@@ -62,8 +68,8 @@ from megatron_moe.dispatch import exchange_time_ms
 from megatron_moe.megatron import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
 from megatron_moe.parallel import ParallelGroups, init_parallel_groups
 
-from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint,
-                         verify_checkpoint)
+from .checkpoint import (ABSENT, CheckpointError, config_changes, latest_checkpoint, load_checkpoint,
+                         save_checkpoint, shape_changes, verify_checkpoint)
 from .data import MicroBatchSampler, build_datasets, micro_batch_loader, prepare_data, split_tokens
 from .distributed import DistInfo, set_deterministic, setup_distributed, world_size
 from .fault_hooks import hooks
@@ -73,6 +79,7 @@ from .metrics import MetricsLogger, StepProfiler, ep_rank_imbalance, expert_load
 from .optimizer import AdamW, build_optimizer, lr_at, trainable_params
 from .precision import BF16Params
 from .run_config import ConfigError, RunConfig, load_config
+from .run_lock import RunLock, RunLockError
 
 __all__ = ["main", "pretrain", "TrainError", "evaluate"]
 
@@ -207,6 +214,7 @@ def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, s
     except ValueError as e:
         raise TrainError(str(e)) from None
     model = build_gpt_model(mc)
+    hooks.out_of_memory(0)  # tests: a model too large for the memory
     model.train()
     params = [p for _, p in trainable_params(model)]
     reducer = GradReducer.for_groups(params, groups, overlap=tc.overlap_grad_reduce)
@@ -283,6 +291,7 @@ def train_step(run: Run) -> StepResult:
     lm_sum, aux_sum, z_sum = (torch.zeros((), device=device) for _ in range(3))
     dropped_L = torch.zeros(n_layers, device=device)
     tpe_LE = None
+    hooks.out_of_memory(run.step + 1)  # tests: a micro-batch too large for the memory
     for micro in range(run.num_micro):
         lm = _forward_loss(run.model, _to(next(run.data_iter), device), run.amp)
         if micro == 0 and run.step + 1 in hooks.loss_factor_at_step:  # tests: a diverged step
@@ -462,6 +471,143 @@ def _loop(run: Run) -> dict:
             "checkpoint": str(last_saved) if last_saved else None}
 
 
+def _micro_batches(tc) -> int:
+    """Micro-batches per step on each rank; refuses a global batch that does not divide over the
+    micro-batch and the data-parallel ranks (known before the process group exists)."""
+    world = world_size()
+    per_step = tc.micro_batch_size * world
+    if tc.global_batch_size % per_step:
+        raise TrainError(
+            f"train.global_batch_size={tc.global_batch_size} is not divisible by "
+            f"train.micro_batch_size ({tc.micro_batch_size}) x data-parallel size ({world}) = "
+            f"{per_step}: choose a global batch that is a multiple of {per_step}")
+    return tc.global_batch_size // per_step
+
+
+def _lock_run_dir(run_dir: Path, di: DistInfo) -> RunLock | None:
+    """Rank 0 takes the run directory's lock (run_lock.py); every rank learns the outcome from a
+    broadcast, so a refused job stops on all ranks before any of them reads or writes the
+    directory. The lock on rank 0, None on the others."""
+    lock, refusal = None, None
+    if di.rank == 0:
+        try:
+            lock = RunLock.acquire(run_dir)
+        except RunLockError as e:
+            refusal = str(e)
+        except OSError as e:  # e.g. no permission to create the directory
+            refusal = f"cannot lock run directory {run_dir}: {e}"
+    if di.world_size > 1:
+        box = [refusal]
+        dist.broadcast_object_list(box, src=0)
+        refusal = box[0]
+    if refusal is not None:
+        raise TrainError(refusal)
+    if lock is not None and lock.note():
+        print(lock.note(), flush=True)
+    return lock
+
+
+def _resume_point(cfg: RunConfig, resume: bool, rank: int) -> tuple[Path | None, dict]:
+    """The checkpoint this run continues from and its (verified) meta, or (None, {}) for a fresh
+    start; a fresh start in a run directory that has checkpoints is refused."""
+    run_dir = cfg.run_dir
+    try:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None and not resume:
+            raise TrainError(
+                f"run directory {run_dir} already holds checkpoints (latest: {ckpt.name}): pass "
+                "--resume to continue it, give the run another name (name=...), or delete the directory")
+        if ckpt is None:
+            if resume and rank == 0:
+                print(f"--resume: no checkpoint in {run_dir}, starting from scratch", flush=True)
+            return None, {}
+        return ckpt, verify_checkpoint(ckpt)
+    except CheckpointError as e:
+        raise TrainError(str(e)) from None
+
+
+def _config_changes(ckpt: Path, meta: dict, cfg: RunConfig, rank: int) -> dict:
+    """Compare the checkpoint's config with this run's (checkpoint.config_changes). Changes of
+    the model's shape stop the run here, before anything is built, one line per key; the others
+    apply from the next step and are printed. Returns those as {key: [old, new]} for the first
+    metrics row (W&B gets it too)."""
+    if not isinstance(meta.get("config"), dict):  # a checkpoint from before configs were saved
+        return {}
+    saved, new = meta["config"], cfg.to_dict()
+    changes = config_changes(saved, new)
+    refused = shape_changes(changes, saved, new)
+    if refused:
+        raise TrainError(f"cannot resume from {ckpt}: {len(refused)} config change(s) alter the model's "
+                         "parameters, one per line below; resume with the checkpoint's values\n" + "\n".join(
+                             f"  {c} (the checkpoint's weights have the old shape; start a new run "
+                             "with another name=)" for c in refused))
+    if changes and rank == 0:
+        print(f"config changes since {ckpt.name} (they apply from step {int(meta['step']) + 1}):\n"
+              + "\n".join(f"  {c}" for c in changes), flush=True)
+    return {c.key: [None if v is ABSENT else v for v in (c.old, c.new)] for c in changes}
+
+
+def _out_of_memory(e: BaseException, tc, run: Run | None) -> str | None:
+    """The one line for an allocation failure, None for any other error. GPUs raise
+    torch.OutOfMemoryError (or a CUDA error saying "out of memory"), the CPU's allocator a
+    RuntimeError saying "can't allocate memory", Python a MemoryError. The line keeps CUDA's
+    words, which megatron-moe-find-micro-batch looks for in a trial's output."""
+    text = str(e)
+    if not (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text):
+        return None
+    kind = "CUDA" if isinstance(e, torch.OutOfMemoryError) or "CUDA" in text else "CPU"
+    where = ("during start-up" if run is None else "in the first step" if run.step == 0
+             else f"after step {run.step}")
+    size = re.search(r"[Tt]ried to allocate ([\d.]+ ?\w+)", text)
+    return (f"{kind} out of memory {where}{f' (tried to allocate {size[1]})' if size else ''} with "
+            f"train.micro_batch_size={tc.micro_batch_size}: lower train.micro_batch_size (the global batch "
+            f"stays {tc.global_batch_size}: more micro-batches are accumulated), find the largest that fits "
+            "with megatron-moe-find-micro-batch, or, for a model with many or large experts, split them "
+            "over more GPUs with model.moe.expert_parallel_size")
+
+
+def _known_failure(e: BaseException, tc, run: Run | None) -> str | None:
+    """The one line for a failure a setting fixes (out of memory; an op with no deterministic
+    version), None for any other exception (it propagates with its traceback)."""
+    if isinstance(e, TrainError) or not isinstance(e, Exception):
+        return None
+    oom = _out_of_memory(e, tc, run)
+    if oom is not None:
+        return oom
+    if tc.deterministic and isinstance(e, RuntimeError) and "deterministic" in str(e):
+        return (f"train.deterministic=true: {str(e).splitlines()[0]} Set train.deterministic=false to "
+                "run this model here")
+    return None
+
+
+def _train(cfg: RunConfig, resume: bool, di: DistInfo, num_micro: int) -> dict:
+    """pretrain's body, under the run directory's lock: the resume point and its config
+    changes, logging, ``build``, ``restore`` and ``_loop``. A failure closes the logs (W&B
+    with exit code 1); one a setting fixes becomes a TrainError naming it."""
+    ckpt, meta = _resume_point(cfg, resume, di.rank)
+    changes = _config_changes(ckpt, meta, cfg, di.rank) if ckpt is not None else {}
+    step, consumed = int(meta.get("step", 0)), int(meta.get("consumed_samples", 0))
+    # Logging first: whatever W&B does to the RNGs happens before seeding.
+    if di.rank == 0:
+        (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+    logger = MetricsLogger(cfg, cfg.run_dir, enabled=di.rank == 0, resume_step=step)
+    run = None
+    try:
+        run = build(cfg, di, logger, num_micro, step, consumed)
+        if changes:
+            run.first_info["config_changes"] = changes
+        if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
+            restore(run, ckpt)
+        return _loop(run)
+    except BaseException as e:
+        logger.close(exit_code=1)
+        message = _known_failure(e, cfg.train, run)
+        if message is None:
+            raise
+        raise TrainError(message) from None
+
+
 def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
     """Train per ``cfg``; with ``resume`` continue from run_dir/checkpoints/latest (if any).
 
@@ -470,60 +616,22 @@ def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
     the whole run), run_dir, checkpoint, wall_time_s.
     """
     t_start = time.time()
-    tc, run_dir = cfg.train, cfg.run_dir
-    # Checks that need no process group come first, so bad input fails fast and cleanly.
-    world = world_size()
-    per_step = tc.micro_batch_size * world
-    if tc.global_batch_size % per_step:
-        raise TrainError(
-            f"train.global_batch_size={tc.global_batch_size} is not divisible by "
-            f"train.micro_batch_size ({tc.micro_batch_size}) x data-parallel size ({world}) = "
-            f"{per_step}: choose a global batch that is a multiple of {per_step}")
-    try:
-        ckpt = latest_checkpoint(run_dir)
-    except CheckpointError as e:
-        raise TrainError(str(e)) from None
-    if ckpt is not None and not resume:
-        raise TrainError(
-            f"run directory {run_dir} already holds checkpoints (latest: {ckpt.name}): pass "
-            "--resume to continue it, give the run another name (name=...), or delete the directory")
-    step, consumed = 0, 0
-    if resume and ckpt is not None:
-        try:
-            meta = verify_checkpoint(ckpt)
-        except CheckpointError as e:
-            raise TrainError(str(e)) from None
-        step, consumed = int(meta["step"]), int(meta["consumed_samples"])
-
+    tc = cfg.train
+    num_micro = _micro_batches(tc)  # bad input fails fast, before the process group
     set_deterministic(tc.deterministic)  # before CUDA / NCCL initialise
     di = setup_distributed()
-    if resume and ckpt is None and di.rank == 0:
-        print(f"--resume: no checkpoint in {run_dir}, starting from scratch", flush=True)
-    # Logging first: whatever W&B does to the RNGs happens before seeding.
-    if di.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    logger = MetricsLogger(cfg, run_dir, enabled=di.rank == 0, resume_step=step)
+    lock = _lock_run_dir(cfg.run_dir, di)  # before the run reads or writes its directory
     try:
-        run = build(cfg, di, logger, tc.global_batch_size // per_step, step, consumed)
-        if resume and ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
-            restore(run, ckpt)
-        result = _loop(run)
-    except RuntimeError as e:
-        logger.close(exit_code=1)
-        if tc.deterministic and "deterministic" in str(e) and not isinstance(e, TrainError):
-            raise TrainError(f"train.deterministic=true: {str(e).splitlines()[0]} Set "
-                             "train.deterministic=false to run this model here") from None
-        raise
-    except BaseException:
-        logger.close(exit_code=1)
-        raise
+        result = _train(cfg, resume, di, num_micro)
+    finally:
+        if lock is not None:
+            lock.release()
     result["wall_time_s"] = time.time() - t_start
     if di.rank == 0:
         lm, val = result["lm_loss"], result["val_loss"]
         print(f"done: step {result['step']}/{tc.train_iters}, lm_loss {lm if lm is None else round(lm, 4)}, "
               f"val_loss {val if val is None else round(val, 4)}, {result['wall_time_s']:.1f} s, run dir "
-              f"{run_dir}", flush=True)
+              f"{cfg.run_dir}", flush=True)
     return result
 
 
@@ -561,8 +669,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input (config, data, checkpoint): one line that says what to change.
         if os.environ.get("MEGATRON_MOE_DEBUG"):
             raise
-        print(f"megatron-moe-train: error: {e} (MEGATRON_MOE_DEBUG=1 shows the traceback)",
-              file=sys.stderr, flush=True)
+        first, _, more = str(e).partition("\n")  # a list (one line per key) follows the error
+        print(f"megatron-moe-train: error: {first} (MEGATRON_MOE_DEBUG=1 shows the traceback)"
+              + (f"\n{more}" if more else ""), file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():

@@ -7,15 +7,24 @@
 ``data.split`` (e.g. ``"969,30,1"``) splits the corpus' sequences; the index caches go to
 ``cache_dir/gpt_indices``. megatron-core's compiled helpers (``helpers_cpp``) ship inside its
 binary wheels (cp311 and cp312 alike); nothing is compiled at run time.
+
+A split read more than ``MAX_INDEX_EPOCHS`` times is indexed for that many epochs and read in a
+cycle (:class:`Cycled`): megatron-core's index holds every epoch (about 20 bytes per sequence
+and epoch while it is built), so a small corpus of short documents read thousands of times
+would need gigabytes for it.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
 from .config import DataConfig, split_weights
 from .preparation import PreparedData, check_token_ids, is_distributed, read_idx_header
 
+MAX_INDEX_EPOCHS = 16
+"""A split needing more epochs than this is indexed for this many and read in a cycle: the
+index then holds at most 16 epochs' entries, however long the run."""
 
 
 
@@ -37,7 +46,7 @@ def _require_helpers() -> None:
     import sys
 
     try:
-        from megatron.core.datasets import helpers  # noqa: F401
+        importlib.import_module("megatron.core.datasets.helpers")
     except ImportError as e:
         raise RuntimeError(
             "megatron-core's compiled dataset helpers (megatron/core/datasets/helpers_cpp) do not "
@@ -76,9 +85,10 @@ def build_datasets(data_cfg: DataConfig, prepared: PreparedData, *, seq_length: 
     """megatron-core ``GPTDataset`` (train, valid, test) over ``prepared.prefix``.
 
     ``num_samples[i]`` sequences of ``seq_length`` tokens are drawn from split i (epochs
-    repeat as needed; None = one epoch). A split whose weight in ``data.split`` is 0 is
-    None. Each item: ``{"tokens", "labels", "loss_mask", "position_ids"}`` (no attention
-    mask: attention is causal). Call on every rank (rank 0 builds the index caches first).
+    repeat as needed, beyond ``MAX_INDEX_EPOCHS`` in a cycle; None = one epoch). A split whose
+    weight in ``data.split`` is 0 is None. Each item: ``{"tokens", "labels", "loss_mask",
+    "position_ids"}`` (no attention mask: attention is causal). Call on every rank (rank 0
+    builds the index caches first).
     """
     import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -104,8 +114,8 @@ def build_datasets(data_cfg: DataConfig, prepared: PreparedData, *, seq_length: 
     if field_name != "data.data_prefix":  # a data_prefix was checked by prepare_data already
         check_token_ids(prepared.prefix, itemsize, prepared.vocab_size, field_name,
                          prepared.tokenizer_path)
-    for name, (lo, hi) in zip(("train", "valid", "test"),
-                              _split_bookends(split_weights(data_cfg.split))):
+    bookends = _split_bookends(split_weights(data_cfg.split))
+    for name, (lo, hi) in zip(("train", "valid", "test"), bookends):
         if hi > lo and int(round(hi * num_seqs)) <= int(round(lo * num_seqs)):
             raise ValueError(
                 f"data.split={data_cfg.split!r} leaves the {name} split without sequences: "
@@ -122,9 +132,52 @@ def build_datasets(data_cfg: DataConfig, prepared: PreparedData, *, seq_length: 
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, mmap_bin_files=True,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, config)
-    train, valid, test = builder.build()
-    return train, valid, test
+    tokens = _split_token_counts(prepared.prefix, num_seqs, bookends)
+    indexed = [_indexed_samples(n, t, seq_length) for n, t in zip(num_samples, tokens)]
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, indexed, lambda: True, config)
+    return tuple(ds if ds is None or n is None or n <= len(ds) else Cycled(ds, n)
+                 for ds, n in zip(builder.build(), num_samples))
+
+
+def _split_token_counts(prefix: str, num_seqs: int, bookends) -> list[int]:
+    """Tokens in each split's sequences, as megatron-core splits them (sequence
+    ``round(lo * num_seqs)`` up to ``round(hi * num_seqs)``), read from the .idx's lengths."""
+    import numpy
+
+    lengths = numpy.memmap(prefix + ".idx", numpy.int32, "r", offset=34, shape=(num_seqs,))
+    bounds = [(int(round(lo * num_seqs)), int(round(hi * num_seqs))) for lo, hi in bookends]
+    return [int(lengths[lo:hi].sum(dtype=numpy.int64)) for lo, hi in bounds]
+
+
+def _indexed_samples(num_samples: int | None, split_tokens: int, seq_length: int) -> int | None:
+    """The samples megatron-core is asked to index for a split: ``num_samples``, or as many as
+    ``MAX_INDEX_EPOCHS`` epochs hold when that is fewer (megatron-core counts an epoch's
+    samples as (tokens - 1) // seq_length: each sample reads one token past its end)."""
+    if num_samples is None or split_tokens == 0:
+        return num_samples
+    return min(num_samples, max(1, (MAX_INDEX_EPOCHS * split_tokens - 1) // seq_length))
+
+
+class Cycled:
+    """``num_samples`` samples of a GPTDataset indexed for fewer: sample i is
+    ``dataset[i % len(dataset)]``. Other attributes are the dataset's (:func:`split_tokens`
+    reads its ``dataset`` and ``indices``)."""
+
+    def __init__(self, dataset, num_samples: int):
+        self.cycled, self.num_samples = dataset, num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} of {self.num_samples}")
+        return self.cycled[i % len(self.cycled)]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "cycled":  # pickle and copy ask before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.cycled, name)
 
 
 def split_tokens(dataset) -> int | None:

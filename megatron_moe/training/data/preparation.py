@@ -4,11 +4,14 @@
     prepared.prefix, prepared.vocab_size, prepared.tokenizer()
     export_prefix(prepared, "data/pile00")    # a self-describing copy for data.data_prefix
 
-megatron-core's ``IndexedDatasetBuilder`` writes ``data.bin``/``data.idx`` into
+``data.bin``/``data.idx`` (megatron-core's format, written by :class:`IndexedWriter`) go into
 ``cache_dir/<name>-<hash>/``. The hash covers the input files (path, size, mtime), the
 tokenizer settings and file contents, and this module's format version: a second run reuses
 the directory, a changed input builds a new one. A build happens in a temporary directory
-renamed into place when complete, so a crash never leaves a cache that loads.
+renamed into place when complete, so a crash never leaves a cache that loads. Memory stays
+bounded whatever the corpus' size: the tokenizer trains on at most ``TOKENIZER_TRAIN_CHARS`` of
+text, and the corpus is read, encoded and written piece by piece in batches of
+``ENCODE_BATCH_CHARS`` characters (one JSONL line is the most ever held whole).
 ``data.data_prefix`` skips all this and uses an existing ``.bin``/``.idx`` pair, checked whole
 (header, sizes, token ids within the tokenizer) before megatron-core maps it.
 """
@@ -26,13 +29,20 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import DataConfig
-from .corpus import SEQUENCE_CHARS, default_corpus_files, iter_documents, resolve_inputs, split_into_sequences
+from .corpus import SEQUENCE_CHARS, Piece, default_corpus_files, iter_pieces, resolve_inputs
+from .indexed import IndexedWriter
 from .tokenizers import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer, train_sentencepiece
 
-FORMAT_VERSION = 1
-"""Bump when the prepared layout or the tokenization changes: old caches are then ignored."""
+FORMAT_VERSION = 2
+"""Bump when the prepared layout or the tokenization changes: old caches are then ignored.
+(2: lines longer than SEQUENCE_CHARS are cut too, no longer kept whole.)"""
 TOKENIZER_TRAIN_CHARS = 10_000_000
-"""At most this much text (the corpus' first sequences) trains a sentencepiece model."""
+"""At most this much text (the corpus' first sequences) trains a sentencepiece model: the
+trainer holds all it is given (several times its size), so this bounds it."""
+ENCODE_BATCH_CHARS = 1_000_000
+"""Pieces are encoded and written in batches of about this many characters (or
+``ENCODE_BATCH_PIECES`` pieces): what preparation holds at a time, token lists included."""
+ENCODE_BATCH_PIECES = 8192
 
 
 
@@ -153,12 +163,11 @@ def prepare_data(data_cfg: DataConfig, *, rank: int = 0,
 
 def _training_sample(files: list[Path]) -> Iterator[str]:
     total = 0
-    for doc in iter_documents(files):
-        for seq in split_into_sequences(doc):
-            yield seq
-            total += len(seq)
-            if total >= TOKENIZER_TRAIN_CHARS:
-                return
+    for piece in iter_pieces(files):
+        yield piece.text
+        total += len(piece.text)
+        if total >= TOKENIZER_TRAIN_CHARS:
+            return
 
 
 def _empty_corpus_error(cfg: DataConfig, files: list[Path]) -> ValueError:
@@ -168,56 +177,21 @@ def _empty_corpus_error(cfg: DataConfig, files: list[Path]) -> ValueError:
 
 
 def _build(cfg: DataConfig, files: list[Path], directory: Path, workers: int | None) -> None:
-    import numpy
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".tmp-{directory.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         meta = {"tokenizer_type": cfg.tokenizer_type, "merges_path": None,
                 "format": FORMAT_VERSION, "inputs": [str(f) for f in files]}
-        # A given tokenizer is loaded from the user's files (errors name them), then copied.
-        if cfg.tokenizer_type == "gpt2bpe":
-            tok = GPT2BPETokenizer(cfg.vocab_file, cfg.merges_file)
-            shutil.copyfile(cfg.vocab_file, tmp / "vocab.json")
-            shutil.copyfile(cfg.merges_file, tmp / "merges.txt")
-            meta["tokenizer_path"], meta["merges_path"] = "vocab.json", "merges.txt"
-        elif cfg.tokenizer_model is not None:
-            tok = SentencePieceTokenizer(cfg.tokenizer_model)
-            shutil.copyfile(cfg.tokenizer_model, tmp / "tokenizer.model")
-            meta["tokenizer_path"] = "tokenizer.model"
-        else:
-            sample = _training_sample(files)
-            first = next(sample, None)
-            if first is None:
-                raise _empty_corpus_error(cfg, files)
-            train_sentencepiece(_chain(first, sample), cfg.tokenizer_vocab_size,
-                                tmp / "tokenizer.model", threads=min(os.cpu_count() or 1, 8))
-            meta["tokenizer_path"] = "tokenizer.model"
-            tok = SentencePieceTokenizer(tmp / "tokenizer.model")
-        dtype = DType.optimal_dtype(tok.vocab_size)
-        builder = IndexedDatasetBuilder(str(tmp / "data.bin"), dtype=dtype)
-        num_docs = num_seqs = num_tokens = 0
-        for batch in _batches(iter_documents(files)):
-            pieces = [split_into_sequences(doc) for doc in batch]
-            flat = [p for doc in pieces for p in doc]
-            encoded = iter(tok.encode_batch(flat, workers))
-            for doc in pieces:
-                seqs = [next(encoded) for _ in doc]
-                seqs[-1] = list(seqs[-1]) + [tok.eod_id]
-                seqs = [s for s in seqs if s]  # a given model may encode blank text to nothing
-                lengths = [len(s) for s in seqs]
-                builder.add_document(numpy.concatenate([numpy.asarray(s, dtype=numpy.int64)
-                                                        for s in seqs]), lengths)
-                num_docs += 1
-                num_seqs += len(seqs)
-                num_tokens += sum(lengths)
-        builder.finalize(str(tmp / "data.idx"))
-        if num_docs == 0:
+        tok = _tokenizer(cfg, files, tmp, meta)
+        try:
+            out = _write_corpus(tok, files, tmp / "data", workers)
+        finally:
+            tok.close()
+        if out.num_documents == 0:
             raise _empty_corpus_error(cfg, files)
-        meta.update(vocab_size=tok.vocab_size, eod_id=tok.eod_id, num_tokens=num_tokens,
-                    num_documents=num_docs, num_sequences=num_seqs)
+        meta.update(vocab_size=tok.vocab_size, eod_id=tok.eod_id, num_tokens=out.num_tokens,
+                    num_documents=out.num_documents, num_sequences=out.num_sequences)
         _write_json_atomic(tmp / _META, meta)
         if directory.exists() and not _is_complete(directory):
             shutil.rmtree(directory)  # not ours (builds only ever rename complete directories)
@@ -231,17 +205,77 @@ def _build(cfg: DataConfig, files: list[Path], directory: Path, workers: int | N
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _tokenizer(cfg: DataConfig, files: list[Path], tmp: Path, meta: dict):
+    """The tokenizer, copied (or trained) into ``tmp``; its file names go into ``meta``.
+    A given tokenizer is loaded from the user's files first, so that errors name them."""
+    if cfg.tokenizer_type == "gpt2bpe":
+        tok = GPT2BPETokenizer(cfg.vocab_file, cfg.merges_file)
+        shutil.copyfile(cfg.vocab_file, tmp / "vocab.json")
+        shutil.copyfile(cfg.merges_file, tmp / "merges.txt")
+        meta["tokenizer_path"], meta["merges_path"] = "vocab.json", "merges.txt"
+        return tok
+    meta["tokenizer_path"] = "tokenizer.model"
+    if cfg.tokenizer_model is not None:
+        tok = SentencePieceTokenizer(cfg.tokenizer_model)
+        shutil.copyfile(cfg.tokenizer_model, tmp / "tokenizer.model")
+        return tok
+    sample = _training_sample(files)
+    first = next(sample, None)
+    if first is None:
+        raise _empty_corpus_error(cfg, files)
+    train_sentencepiece(_chain(first, sample), cfg.tokenizer_vocab_size,
+                        tmp / "tokenizer.model", threads=min(os.cpu_count() or 1, 8))
+    return SentencePieceTokenizer(tmp / "tokenizer.model")
+
+
+def _write_corpus(tok, files: list[Path], prefix: Path, workers: int | None) -> IndexedWriter:
+    """Encode the corpus batch by batch into ``prefix.bin/.idx``: one stored sequence per piece,
+    EOD after each document's last piece."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with IndexedWriter(prefix, DType.optimal_dtype(tok.vocab_size)) as out:
+        for batch in _batches(iter_pieces(files)):
+            sequences, ends = [], []
+            for piece, ids in zip(batch, _encode(tok, batch, workers)):
+                if piece.last:
+                    ids = list(ids) + [tok.eod_id]
+                if ids:  # a given model may encode blank text to nothing
+                    sequences.append(ids)
+                    ends.append(piece.last)
+            out.write(sequences, ends)
+    return out
+
+
+def _encode(tok, batch: list[Piece], workers: int | None) -> list[list[int]]:
+    """``tok.encode_batch`` of the pieces' texts; a piece the tokenizer fails on raises
+    ValueError naming its file and line (the batch is encoded again one piece at a time to find
+    it, only then)."""
+    try:
+        return tok.encode_batch([p.text for p in batch], workers)
+    except (ValueError, RuntimeError, UnicodeError) as e:
+        error = e
+    for piece in batch:
+        try:
+            tok.encode(piece.text)
+        except (ValueError, RuntimeError, UnicodeError) as e:
+            raise ValueError(f"{piece.path}:{piece.line}: the tokenizer cannot encode this "
+                             f"document: {str(e).splitlines()[0]}") from None
+    raise error
+
+
 def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
     yield first
     yield from rest
 
 
-def _batches(docs: Iterator[str], max_chars: int = 8_000_000, max_docs: int = 4096):
+def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
+    """Consecutive pieces in lists of about ``ENCODE_BATCH_CHARS`` characters (or
+    ``ENCODE_BATCH_PIECES`` pieces)."""
     batch, size = [], 0
-    for doc in docs:
-        batch.append(doc)
-        size += len(doc)
-        if size >= max_chars or len(batch) >= max_docs:
+    for piece in pieces:
+        batch.append(piece)
+        size += len(piece.text)
+        if size >= ENCODE_BATCH_CHARS or len(batch) >= ENCODE_BATCH_PIECES:
             yield batch
             batch, size = [], 0
     if batch:

@@ -54,6 +54,9 @@ class SentencePieceTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
+    def close(self) -> None:
+        """Nothing to release (encode_batch's threads end with each call)."""
+
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str | os.PathLike,
                         *, threads: int = 2) -> None:
@@ -67,9 +70,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str |
 
     spm.set_random_generator_seed(1234)
     buf = io.BytesIO()
+    sentences = _KeepsError(texts)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size,
+            sentence_iterator=sentences, model_writer=buf, vocab_size=vocab_size,
             model_type="bpe", byte_fallback=True, character_coverage=0.9995,
             normalization_rule_name="identity", remove_extra_whitespaces=False,
             add_dummy_prefix=False, allow_whitespace_only_pieces=True, split_digits=True,
@@ -78,6 +82,8 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str |
             num_threads=threads, minloglevel=2,
         )
     except RuntimeError as e:
+        if sentences.error is not None:  # the texts' own error (a bad JSONL line), not the size's
+            raise sentences.error from None
         msg = str(e).splitlines()[0]
         most = re.search(r"value <= (\d+)", msg)
         least = re.search(r"smaller than required_chars\. \d+ vs (\d+)", msg)
@@ -88,6 +94,27 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str |
     tmp = Path(f"{model_path}.tmp-{os.getpid()}")
     tmp.write_bytes(buf.getvalue())
     os.replace(tmp, model_path)
+
+
+class _KeepsError:
+    """Iterates ``texts`` and keeps the exception it raised. sentencepiece's trainer turns an
+    exception from its sentence iterator into a RuntimeError of its own ("INTERNAL: ValueError:
+    ..."), which would read as a vocabulary-size problem; the kept one is raised instead."""
+
+    def __init__(self, texts: Iterable[str]):
+        self.texts, self.error = iter(texts), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self.texts)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            self.error = e
+            raise
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -205,6 +232,7 @@ class GPT2BPETokenizer:
         self.byte_encoder = _bytes_to_unicode()
         self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
         self._cache: dict[str, list[int]] = {}
+        self._workers, self._num_workers = None, 0
 
     def _bpe(self, word: str) -> list[int]:
         ids = self._cache.get(word)
@@ -245,13 +273,29 @@ class GPT2BPETokenizer:
 
     def encode_batch(self, texts: list[str], workers: int | None = None) -> list[list[int]]:
         if workers and workers > 1 and len(texts) > 1:
+            chunk = max(1, len(texts) // (4 * workers))
+            return self._pool(workers).map(_gpt2_worker_encode, texts, chunksize=chunk)
+        return [self.encode(t) for t in texts]
+
+    def _pool(self, workers: int):
+        """``workers`` forked processes, started by the first batch and kept for the next ones
+        (preparation encodes in small batches to bound its memory; a pool per batch would
+        start the processes and read vocab and merges again each time). :meth:`close` ends them."""
+        if self._workers is None or self._num_workers != workers:
             import multiprocessing as mp
 
-            with mp.get_context("fork").Pool(workers, _gpt2_worker_init,
-                                              (self.path, self.merges_path)) as pool:
-                chunk = max(1, len(texts) // (4 * workers))
-                return pool.map(_gpt2_worker_encode, texts, chunksize=chunk)
-        return [self.encode(t) for t in texts]
+            self.close()
+            self._workers = mp.get_context("fork").Pool(workers, _gpt2_worker_init,
+                                                        (self.path, self.merges_path))
+            self._num_workers = workers
+        return self._workers
+
+    def close(self) -> None:
+        """End the encoding processes, if any."""
+        if self._workers is not None:
+            self._workers.terminate()
+            self._workers.join()
+            self._workers = None
 
     def decode(self, ids: Iterable[int]) -> str:
         chars = "".join(self.decoder[int(i)] for i in ids)

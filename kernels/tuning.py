@@ -1,0 +1,166 @@
+"""Tuned configs that outlive the process: the autotuner's choice per launch, kept on disk.
+
+    cfg = stored_config(kernel, launch_key, device)    # one of kernel.configs, or None
+    remember(kernel, launch_key, device, cfg, tuned_s)  # after the autotuner chose
+
+Triton's autotuner compiles and times every candidate config of a kernel the first time a process
+launches it at a new shape, and keeps the choice in memory only (its own disk cache,
+``cache_results``, skips configs with pre-hooks, which our grouped GEMMs have). A run thus starts
+with minutes of tuning on a fresh machine, and again in every new process. Here the choice is
+kept per GPU: a later process takes the stored config, compiles that one alone (from Triton's
+compilation cache when it is there) and times nothing.
+
+Where (one JSON file per GPU name and Triton version, ``NVIDIA-H100-80GB-HBM3-triton3.6.0.json``):
+  * ``$MEGATRON_MOE_TUNING_CACHE`` (a folder; ``0`` turns storing and reading off), else
+    ``$XDG_CACHE_HOME/megatron-moe/tuning``, else ``~/.cache/megatron-moe/tuning``;
+  * then the tables shipped with the package, ``kernels/tuned/`` (same file names), for a first
+    run on a fresh machine.
+An entry is keyed by the kernel's name, a hash of its source, its candidate configs and the A/B
+switches (kernels/switches.py; a changed kernel, config list or switch tunes again), and the
+launch key (shapes, dtypes, meta-parameters).
+An entry that names no current candidate is ignored. Writing re-reads the file, adds the entry
+and replaces the file through a temporary one: concurrent ranks never leave a torn file (one
+rank's entry may be lost, and is tuned again by a later run). Rank 0 (``$RANK`` unset or 0)
+prints one line per tuned launch: the kernel, the key, the seconds it took and the choice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+from . import switches
+
+__all__ = ["stored_config", "remember", "cache_file", "shipped_file", "entry_key"]
+
+ENV = "MEGATRON_MOE_TUNING_CACHE"
+SHIPPED_DIR = Path(__file__).with_name("tuned")
+
+_tables: dict[Path, dict] = {}  # file -> its entries, read once per process
+_JSON_TYPES = (bool, int, float, str, type(None))
+
+
+def _folder() -> Path | None:
+    value = switches.tuning_cache()
+    if value == "0":
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatron-moe" / "tuning"
+
+
+def _file_name(device: torch.device) -> str:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-triton{triton.__version__}").strip("-") + ".json"
+
+
+def cache_file(device: torch.device) -> Path | None:
+    """The user's file for this device's GPU, None when storing is off."""
+    folder = _folder()
+    return None if folder is None else folder / _file_name(device)
+
+
+def shipped_file(device: torch.device) -> Path:
+    """The package's table for this device's GPU (it may not exist)."""
+    return SHIPPED_DIR / _file_name(device)
+
+
+def _config_dict(cfg: triton.Config) -> dict:
+    """A config's launch settings (block sizes, warps, stages, ...) as JSON values."""
+    return {k: v for k, v in sorted(cfg.all_kwargs().items()) if isinstance(v, _JSON_TYPES)}
+
+
+def entry_key(kernel, launch_key) -> str:
+    """The kernel's name, a hash of its source, its candidate configs and the A/B switches, and
+    the launch key."""
+    fn = kernel.fn
+    digest = hashlib.sha1(fn.src.encode() + switches.fingerprint().encode())
+    for cfg in kernel.configs:
+        digest.update(json.dumps(_config_dict(cfg)).encode())
+    return f"{fn.__name__}|{digest.hexdigest()[:16]}|{launch_key!r}"
+
+
+def _read(path: Path) -> dict:
+    """The entries of a tuning file; {} when it is missing or unreadable (then tuning runs)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print(f"megatron-moe: ignoring the tuning file {path} ({e}); kernels tune again", file=sys.stderr)
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    return entries if isinstance(entries, dict) else {}
+
+
+def _table(path: Path) -> dict:
+    if path not in _tables:
+        _tables[path] = _read(path)
+    return _tables[path]
+
+
+def stored_config(kernel, launch_key, device: torch.device):
+    """The stored choice for this launch (the user's file, then the shipped table) if it is one of
+    the kernel's current candidates, else None."""
+    if len(kernel.configs) < 2:
+        return None
+    user = cache_file(device)
+    if user is None:
+        return None
+    key = entry_key(kernel, launch_key)
+    for path in (user, shipped_file(device)):
+        entry = _table(path).get(key)
+        if isinstance(entry, dict):
+            for cfg in kernel.configs:
+                if _config_dict(cfg) == entry.get("config"):
+                    return cfg
+    return None
+
+
+def _write(path: Path, key: str, entry: dict) -> None:
+    """Add ``entry`` to the file: re-read, merge, replace through a temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = _read(path)
+    entries[key] = entry
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"triton": triton.__version__, "entries": entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _tables[path] = entries
+
+
+def remember(kernel, launch_key, device: torch.device, cfg: triton.Config, tuned_s: float | None,
+             label: str = "") -> None:
+    """Store the autotuner's choice for this launch; ``tuned_s``: the seconds the autotuner spent
+    choosing it (None: it had chosen before, for a launch that shares its key), printed once with
+    ``label`` (e.g. the shape)."""
+    if len(kernel.configs) < 2:
+        return
+    if tuned_s is not None and os.environ.get("RANK", "0") == "0":
+        chosen = " ".join(f"{k}={v}" for k, v in _config_dict(cfg).items() if v is not None)
+        print(f"megatron-moe: tuned {kernel.fn.__name__}{f' {label}' if label else ''} in {tuned_s:.1f} s "
+              f"({len(kernel.configs)} candidates): {chosen}", file=sys.stderr, flush=True)
+    path = cache_file(device)
+    if path is None:
+        return
+    key, entry = entry_key(kernel, launch_key), {"config": _config_dict(cfg)}
+    if _table(path).get(key) == entry:
+        return
+    try:
+        _write(path, key, entry)
+    except OSError as e:  # a read-only home, a full disk: tuning still works, only not kept
+        print(f"megatron-moe: cannot store tuned configs in {path} ({e}); set {ENV} to a writable "
+              "folder, or 0", file=sys.stderr)
+        _table(path)[key] = entry

@@ -1,0 +1,194 @@
+"""Tuned configs kept on disk (kernels/tuning.py) through the grouped GEMMs' launcher.
+
+    pytest tests/kernels/test_tuning.py      # a second, no GPU
+
+The launcher (kernels/grouped.py ``_launch``) is driven with a stand-in for Triton's autotuner
+that counts its tunings and records each launch's config; a "new process" is the launcher's and
+the tuning module's in-memory caches cleared. Checked: the first process tunes and stores; the
+next launches the stored config without tuning (its pre-hook run, as the autotuner would); a
+changed kernel, candidate list or A/B switch, an entry naming no candidate, a corrupt file, storing turned
+off: tuning again; the shipped table; entries of two processes merged; an unwritable folder.
+"""
+import json
+
+import pytest
+import torch
+import triton
+
+from megatron_moe.kernels import grouped, tuning
+
+
+class FakeJIT:
+    """The JIT function: records the launch settings it is called with."""
+
+    def __init__(self, name="_fake_kernel", src="def _fake_kernel(x, BLOCK: tl.constexpr): pass"):
+        self.__name__, self.src, self.launches = name, src, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(kwargs)
+
+
+class FakeAutotuner:
+    """Triton's Autotuner as the launcher uses it: ``configs``, ``fn``, ``cache``, ``best_config``,
+    ``arg_names``; a launch tunes once per key (choosing ``configs[best]``), then reuses it."""
+
+    def __init__(self, configs, fn, best=1):
+        self.configs, self.fn, self.best = configs, fn, best
+        self.cache, self.best_config, self.arg_names, self.tunings = {}, None, ["x"], 0
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            key = tuple(sorted(meta.items()))
+            if key not in self.cache:
+                self.tunings += 1
+                self.cache[key] = self.configs[self.best]
+            self.best_config = self.cache[key]
+            self.fn[grid](*args, **meta, **self.best_config.all_kwargs())
+        return run
+
+
+hooked = []
+
+
+def configs(n=3):
+    return [triton.Config({"BLOCK": 16 << i}, num_warps=4, num_stages=2 + i, pre_hook=hooked.append)
+            for i in range(n)]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A tuning folder of its own, the launcher out of the interpreter's path, fresh caches."""
+    monkeypatch.setenv(tuning.ENV, str(tmp_path / "tuning"))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(grouped, "interpret_mode", lambda: False)
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path / "shipped")
+    new_process()
+    hooked.clear()
+    yield tmp_path
+    new_process()
+
+
+def new_process():
+    grouped._TUNED.clear()
+    tuning._tables.clear()
+
+
+def launch(kernel, meta=None, tune_key=(64, 128)):
+    grouped._launch(kernel, lambda m: (1,), (torch.zeros(4),), meta or {"EPILOGUE": "gelu"}, tune_key)
+
+
+def stored(env):
+    files = list((env / "tuning").glob("*.json"))
+    return json.loads(files[0].read_text())["entries"] if files else {}
+
+
+def test_a_later_process_launches_the_stored_config_without_tuning(env, capsys):
+    first = FakeAutotuner(configs(), FakeJIT())
+    launch(first)
+    launch(first)
+    assert first.tunings == 1 and first.fn.launches[-1]["BLOCK"] == 32
+    assert "tuned _fake_kernel K=64 N=128 EPILOGUE=gelu" in capsys.readouterr().err
+    (entry,) = stored(env).values()
+    assert entry["config"] == {"BLOCK": 32, "num_ctas": 1, "num_stages": 3, "num_warps": 4}
+    assert (env / "tuning" / "cpu-triton{}.json".format(triton.__version__)).exists()
+
+    new_process()
+    second = FakeAutotuner(configs(), FakeJIT(), best=2)  # would choose another config if it tuned
+    hooked.clear()
+    launch(second)
+    launch(second)
+    assert second.tunings == 0 and second.best_config is second.configs[1]
+    assert [k["BLOCK"] for k in second.fn.launches] == [32, 32]
+    assert [h["BLOCK"] for h in hooked] == [32, 32]  # the config's pre-hook, as the autotuner runs it
+    assert capsys.readouterr().err == ""
+
+
+def test_every_launch_key_is_stored_and_only_tunings_reported(env, capsys):
+    k = FakeAutotuner(configs(), FakeJIT())  # its own key: the meta-parameters alone
+    launch(k, tune_key=(64, 128))
+    launch(k, tune_key=(64, 256))  # the autotuner's choice for its key serves: no tuning
+    launch(k, meta={"EPILOGUE": "dgelu"})
+    assert k.tunings == 2 and len(stored(env)) == 3
+    assert capsys.readouterr().err.count("megatron-moe: tuned") == 2
+
+
+@pytest.mark.parametrize("change", ["source", "candidates", "switch"])
+def test_a_changed_kernel_candidate_list_or_switch_tunes_again(env, change, monkeypatch):
+    monkeypatch.delenv("MEGATRON_MOE_TMA_ADD", raising=False)
+    launch(FakeAutotuner(configs(), FakeJIT()))
+    new_process()
+    if change == "switch":  # an A/B switch the prune functions read
+        monkeypatch.setenv("MEGATRON_MOE_TMA_ADD", "0")
+    fn = FakeJIT(src="def _fake_kernel(x, BLOCK: tl.constexpr): x += 1") if change == "source" else FakeJIT()
+    again = FakeAutotuner(configs(4 if change == "candidates" else 3), fn)
+    launch(again)
+    assert again.tunings == 1 and len(stored(env)) == 2
+
+
+def test_an_entry_naming_no_candidate_is_ignored(env):
+    launch(FakeAutotuner(configs(), FakeJIT()))
+    path = next((env / "tuning").glob("*.json"))
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        entry["config"]["BLOCK"] = 48
+    path.write_text(json.dumps(data))
+    new_process()
+    again = FakeAutotuner(configs(), FakeJIT())
+    launch(again)
+    assert again.tunings == 1 and next(iter(stored(env).values()))["config"]["BLOCK"] == 32
+
+
+def test_a_corrupt_file_is_ignored_and_replaced(env, capsys):
+    folder = env / "tuning"
+    folder.mkdir()
+    (folder / "cpu-triton{}.json".format(triton.__version__)).write_text('{"entries": {"a":')
+    k = FakeAutotuner(configs(), FakeJIT())
+    launch(k)
+    assert k.tunings == 1 and "ignoring the tuning file" in capsys.readouterr().err
+    assert len(stored(env)) == 1  # a valid file again
+
+
+def test_storing_off_tunes_in_every_process(env, monkeypatch):
+    monkeypatch.setenv(tuning.ENV, "0")
+    for _ in range(2):
+        new_process()
+        k = FakeAutotuner(configs(), FakeJIT())
+        launch(k)
+        assert k.tunings == 1
+    assert not (env / "tuning").exists()
+
+
+def test_the_shipped_table_serves_a_fresh_machine(env):
+    launch(FakeAutotuner(configs(), FakeJIT()))
+    (env / "tuning").rename(env / "shipped")  # what a GPU run stored, shipped with the package
+    new_process()
+    k = FakeAutotuner(configs(), FakeJIT(), best=0)
+    launch(k)
+    assert k.tunings == 0 and k.fn.launches[-1]["BLOCK"] == 32
+
+
+def test_entries_of_two_processes_are_merged(env):
+    a = FakeAutotuner(configs(), FakeJIT())
+    launch(a, tune_key=(64, 128))
+    tuning._tables.clear()  # another process: it read the file before the first one wrote
+    tuning._tables[next((env / "tuning").glob("*.json"))] = {}
+    b = FakeAutotuner(configs(), FakeJIT())
+    launch(b, tune_key=(32, 32))
+    assert len(stored(env)) == 2
+
+
+def test_a_single_candidate_is_neither_tuned_nor_stored(env):
+    k = FakeAutotuner(configs(1), FakeJIT(), best=0)
+    launch(k)
+    assert not (env / "tuning").exists()
+
+
+def test_an_unwritable_folder_warns_and_runs(env, monkeypatch, capsys):
+    blocker = env / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(tuning.ENV, str(blocker))  # a file where the folder should be
+    k = FakeAutotuner(configs(), FakeJIT())
+    launch(k)
+    launch(k)
+    assert k.tunings == 1 and len(k.fn.launches) == 2
+    assert "cannot store tuned configs" in capsys.readouterr().err
