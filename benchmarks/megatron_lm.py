@@ -24,6 +24,9 @@ no dropout):
                0.16.1's router names te_general_gemm, defined only when Transformer Engine imports:
                the launcher (_mlm_launch.py) defines it as None, the router's own fallback
   ours         our training program on the same model and batch (its data: the built-in corpus)
+  profile-dmoe, profile-dense-sdpa   step 30 of the dmoe / dense-sdpa run under torch.profiler
+               (Megatron-LM's --profile --use-pytorch-profiler): GPU time by kernel, GPU busy
+               time against the step's wall time, in profile_NAME.txt
 
 Tokens/s: median of the last half of the steps. Prints one table last; logs in --out.
 """
@@ -85,6 +88,30 @@ def megatron_lm(name: str, out: Path, mlm: Path, extra: list[str], env: dict | N
     if rc != 0:
         result["error"] = "\n".join(text.splitlines()[-15:])
     return result
+
+
+def kernel_table(trace_dir: Path, top: int = 30) -> str:
+    """GPU time by kernel name in the profiled step (a chrome trace of torch.profiler), the GPU's
+    busy time and the step's wall time."""
+    import gzip
+
+    paths = sorted(trace_dir.rglob("*.json*"))
+    if not paths:
+        return f"no trace in {trace_dir}"
+    raw = paths[-1].read_bytes()
+    events = json.loads(gzip.decompress(raw) if paths[-1].suffix == ".gz" else raw)["traceEvents"]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"] / 1e3
+    busy = sum(by_name.values())
+    wall = sum(e["dur"] for e in steps) / 1e3 if steps else float("nan")
+    lines = [f"{paths[-1].name}: step wall {wall:.1f} ms, GPU kernels {busy:.1f} ms ({len(kernels)} launches)",
+             "| ms | share | kernel |", "|---|---|---|"]
+    for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {ms:.2f} | {ms / busy:.1%} | {name[:140]} |")
+    return "\n".join(lines)
 
 
 def our_trainer(out: Path) -> dict:
@@ -168,6 +195,18 @@ def main() -> int:
         record(megatron_lm("mcore-moe", out, mlm, MOE_FLAGS + ["--no-bias-gelu-fusion"]))
     if "ours" in stages:
         record(our_trainer(out))
+    for name, extra, env in (("dmoe", SPEC + MOE_FLAGS, None),
+                             ("dense-sdpa", SPEC, {"MEGATRON_MOE_CONFIG": "gpt-xs"})):
+        if f"profile-{name}" in stages:
+            tb = Path(f"/tmp/mlm-profile-{name}")
+            shutil.rmtree(tb, ignore_errors=True)
+            r = megatron_lm(f"profile-{name}", out, mlm, extra + [
+                "--profile", "--use-pytorch-profiler", "--profile-step-start", "30", "--profile-step-end", "31",
+                "--tensorboard-dir", str(tb)], env=env)
+            table = kernel_table(tb)
+            (out / f"profile_{name}.txt").write_text(table + "\n")
+            print(table, flush=True)
+            record(r)
 
     print("\n| run | tokens/s | ms/step | TFLOP/s/GPU | loss at step 40 | note |\n|---|---|---|---|---|---|")
     for r in results:

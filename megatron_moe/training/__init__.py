@@ -4,7 +4,8 @@
 
 - train.py: the program and its loop (``pretrain``, ``main``); run_config.py: the YAML config.
 - checkpoint.py (atomic, exact resume, the config compared on resume), run_lock.py (one writer per
-  run folder), metrics.py (metrics.jsonl, W&B), flops.py (MFU), distributed.py (the process group).
+  run folder), stop_signals.py (SIGTERM / SIGUSR1: save and stop), metrics.py (metrics.jsonl, W&B),
+  flops.py (MFU), distributed.py (the process group).
 - precision.py (bf16 compute copies over fp32 masters), optimizer.py (AdamW, one fused pass),
   grad_reduce.py (data / expert-data parallel gradient reduction, clipping).
 - data/: corpus, tokenizers, preparation (.bin/.idx), datasets (GPTDataset splits).

@@ -24,7 +24,8 @@ A run, in the order this file reads:
     logged as ``config_changes`` with the first step), the metrics logger, ``build`` (seeds,
     data, model, optimizer, precision), ``restore`` (the latest checkpoint, last, so its RNG
     states are what the next step sees) and ``_loop``. Running out of memory anywhere there
-    ends the run with one line naming train.micro_batch_size and the ways out.
+    ends the run with one line naming train.micro_batch_size and the ways out. SIGTERM or
+    SIGUSR1 (stop_signals.py) end it after the step in progress, with a checkpoint.
   * each step (``train_step``): ``global_batch_size / (micro_batch_size * data-parallel size)``
     micro-batches (LM loss scaled by 1/num_micro, the aux losses too via
     ``set_aux_loss_scale``), the bucketed all-reduce, the global gradient norm, then one host
@@ -80,6 +81,7 @@ from .optimizer import AdamW, build_optimizer, lr_at, trainable_params
 from .precision import BF16Params
 from .run_config import ConfigError, RunConfig, load_config
 from .run_lock import RunLock, RunLockError
+from .stop_signals import StopSignals
 
 __all__ = ["main", "pretrain", "TrainError", "evaluate"]
 
@@ -418,16 +420,16 @@ def _check_divergence(run: Run, r: StepResult, bar) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _loop(run: Run) -> dict:
-    """Steps until train.train_iters (or train.exit_interval): the step, its metrics, evaluation,
-    checkpoints. Returns the final metrics (see pretrain)."""
+def _loop(run: Run, stop: StopSignals | None = None) -> dict:
+    """Steps until train.train_iters (or train.exit_interval, or a stop signal: stop_signals.py):
+    the step, its metrics, evaluation, checkpoints. Returns the final metrics (see pretrain)."""
     from tqdm import tqdm
 
     tc = run.cfg.train
     bar = tqdm(total=tc.train_iters, initial=run.step, disable=run.di.rank != 0 or not sys.stdout.isatty(),
                unit="step", dynamic_ncols=True)
     profiler = StepProfiler(run.cfg.run_dir, run.di.rank, run.di.device)
-    losses, steps, last_val, last_saved, ok = [], [], None, None, False
+    losses, steps, last_val, last_saved, ok, stopped_by = [], [], None, None, False, None
     try:
         while run.step < tc.train_iters:
             profiler.start(run.step + 1)
@@ -449,12 +451,17 @@ def _loop(run: Run) -> dict:
                 run.print(format_line(step, tc.train_iters, m), bar=bar)
             if not r.finite:
                 _check_divergence(run, r, bar)
-            stop = tc.exit_interval is not None and step % tc.exit_interval == 0
-            if ((tc.save_interval and step % tc.save_interval == 0) or stop
+            exit_now = tc.exit_interval is not None and step % tc.exit_interval == 0
+            stopped_by = stop.agreed(run.di.device) if stop is not None and step < tc.train_iters else None
+            if ((tc.save_interval and step % tc.save_interval == 0) or exit_now or stopped_by
                     or (step == tc.train_iters and tc.save_final)):
                 last_saved = save(run, r.lr)
                 run.print(f"saved checkpoint {last_saved}", bar=bar)
-            if stop and step < tc.train_iters:
+            if stopped_by:
+                run.print(f"{stopped_by} received: stopped after step {step}, checkpoint saved; "
+                          "continue with --resume", bar=bar)
+                break
+            if exit_now and step < tc.train_iters:
                 run.print(f"train.exit_interval={tc.exit_interval}: stopping at step {step}; "
                           "continue with --resume", bar=bar)
                 break
@@ -468,7 +475,7 @@ def _loop(run: Run) -> dict:
     return {"step": run.step, "consumed_samples": run.consumed, "losses": losses, "steps": steps,
             "skipped_steps": run.skipped, "lm_loss": losses[-1] if losses else None,
             "val_loss": last_val, "run_dir": str(run.cfg.run_dir),
-            "checkpoint": str(last_saved) if last_saved else None}
+            "checkpoint": str(last_saved) if last_saved else None, "stopped_by": stopped_by}
 
 
 def _micro_batches(tc) -> int:
@@ -581,7 +588,7 @@ def _known_failure(e: BaseException, tc, run: Run | None) -> str | None:
     return None
 
 
-def _train(cfg: RunConfig, resume: bool, di: DistInfo, num_micro: int) -> dict:
+def _train(cfg: RunConfig, resume: bool, di: DistInfo, num_micro: int, stop: StopSignals) -> dict:
     """pretrain's body, under the run directory's lock: the resume point and its config
     changes, logging, ``build``, ``restore`` and ``_loop``. A failure closes the logs (W&B
     with exit code 1); one a setting fixes becomes a TrainError naming it."""
@@ -599,7 +606,7 @@ def _train(cfg: RunConfig, resume: bool, di: DistInfo, num_micro: int) -> dict:
             run.first_info["config_changes"] = changes
         if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
             restore(run, ckpt)
-        return _loop(run)
+        return _loop(run, stop)
     except BaseException as e:
         logger.close(exit_code=1)
         message = _known_failure(e, cfg.train, run)
@@ -613,7 +620,8 @@ def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
 
     Returns the final metrics: step, consumed_samples, lm_loss, val_loss, losses (the LM loss
     of every step run by this call; NaN where a step was skipped), steps, skipped_steps (in
-    the whole run), run_dir, checkpoint, wall_time_s.
+    the whole run), run_dir, checkpoint, stopped_by (the stop signal's name, or None),
+    wall_time_s.
     """
     t_start = time.time()
     tc = cfg.train
@@ -622,7 +630,8 @@ def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
     di = setup_distributed()
     lock = _lock_run_dir(cfg.run_dir, di)  # before the run reads or writes its directory
     try:
-        result = _train(cfg, resume, di, num_micro)
+        with StopSignals() as stop:  # SIGTERM / SIGUSR1: save after the step and stop
+            result = _train(cfg, resume, di, num_micro, stop)
     finally:
         if lock is not None:
             lock.release()

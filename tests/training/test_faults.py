@@ -421,6 +421,48 @@ def test_kill_mid_checkpoint_write_never_loads_it(workdir, straight):
     assert _latest(run_dir) == f"iter_{STEPS:07d}" and (ck / "iter_0000008").is_dir()
 
 
+def test_sigterm_saves_after_the_step_and_resume_continues_exactly(workdir, straight):
+    """SIGTERM (Slurm's time limit or preemption) once step 5 is logged: the run finishes the
+    step it is in, saves it, says so and exits 0, its lock released; --resume continues from that
+    step with the straight run's losses, bit for bit."""
+    name = "sigterm"
+    run_dir = workdir / "runs" / name
+    proc = _start(_args(workdir, name))
+    _wait_for(proc, lambda: len(_metrics(run_dir)) >= 5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    done = len(_metrics(run_dir))
+    assert 5 <= done < STEPS
+    assert f"SIGTERM received: stopped after step {done}, checkpoint saved" in out, out[-2000:]
+    assert _latest(run_dir) == f"iter_{done:07d}" and not (run_dir / ".lock").exists()
+    _resume_and_compare(workdir, name, straight, {done})
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(workdir):
+    """Two processes (gloo); SIGUSR1 reaches rank 1 alone: both ranks stop after the same step
+    (the ranks agree on it), the checkpoint of that step is complete and both exit 0."""
+    from _util import free_port
+
+    name = "sigusr1-2ranks"
+    run_dir = workdir / "runs" / name
+    port = str(free_port())
+    procs = [subprocess.Popen(_cmd(_args(workdir, name)), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    _wait_for(procs[0], lambda: len(_metrics(run_dir)) >= 3)
+    procs[1].send_signal(signal.SIGUSR1)
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    done = len(_metrics(run_dir))
+    assert 3 <= done < STEPS
+    assert f"SIGUSR1 received: stopped after step {done}, checkpoint saved" in outs[0][0], outs[0][0][-2000:]
+    ckpt = run_dir / "checkpoints" / f"iter_{done:07d}"
+    assert _latest(run_dir) == ckpt.name and sorted(p.name for p in ckpt.glob("rng_rank*.pt")) == \
+        ["rng_rank00000.pt", "rng_rank00001.pt"]
+
+
 def test_half_written_checkpoint_named_by_latest_is_refused_in_one_line(workdir, straight):
     """If `latest` names an incomplete checkpoint (a file cut short by a disk failure), --resume
     says so, naming the file and what to do, instead of loading it."""

@@ -628,6 +628,24 @@ def test_expert_parallel_training_matches_and_reshards(workdir, straight):
     assert len(got1) == STEPS and got1 == pytest.approx(want, abs=5e-5)
 
 
+def test_a_checkpoint_without_expert_parallelism_resumes_with_it(workdir, straight):
+    """The reverse of the re-slicing above: the one-process run's step-8 checkpoint resumes over 2
+    gloo ranks at EP=2 (each rank takes its half of every expert) and continues with the straight
+    run's losses (fp32 tolerance); the change is reported."""
+    import shutil
+
+    run_dir = workdir / "runs" / "ep1to2"
+    shutil.copytree(straight, run_dir, ignore=shutil.ignore_patterns("iter_0000016", "wandb*", ".lock"))
+    (run_dir / "checkpoints" / "latest").write_text("iter_0000008\n")
+    args = _overrides(workdir, "ep1to2", "logging.wandb=false", "model.moe.expert_parallel_size=2")
+    out = _run(args + ["--resume"], nproc=2, OMP_NUM_THREADS="1")
+    assert "model.moe.expert_parallel_size: 1 -> 2" in out.stdout, out.stdout[-2000:]
+    want = {r["step"]: r["lm_loss"] for r in _metrics(straight)}
+    got = {r["step"]: r["lm_loss"] for r in _metrics(run_dir)}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(9, STEPS + 1)] == pytest.approx([want[s] for s in range(9, STEPS + 1)], abs=5e-5)
+
+
 def test_expert_parallel_size_must_divide_world(workdir):
     proc = _run(_overrides(workdir, "ep3", "logging.wandb=false", "model.moe.expert_parallel_size=4",
                            "train.exit_interval=1"), nproc=2, check=False, OMP_NUM_THREADS="1")
