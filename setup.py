@@ -50,6 +50,7 @@ setup(
             "megatron-moe-prepare-data=megatron_moe.training.data.prepare_cli:main",
             "megatron-moe-compare-runs=megatron_moe.tools.compare_runs:main",
             "megatron-moe-find-micro-batch=megatron_moe.tools.find_micro_batch:main",
+            "megatron-moe-megatron-lm-args=megatron_moe.tools.megatron_lm_args:main",
         ]
     },
 )

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .distributed import barrier
 from .fault_hooks import hooks
 
 FORMAT_VERSION = 1
@@ -77,11 +78,6 @@ def _dist() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -194,7 +190,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         if tmp.exists():
             shutil.rmtree(tmp)  # left by an earlier crash
         tmp.mkdir()
-    _barrier()
+    barrier()
 
     _save_file(get_rng_state(), tmp / _rng_name(rank))
     _fault_pause(step)
@@ -202,7 +198,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
     experts = _expert_names(model)
     if ep > 1 and rank < ep:  # the first EP group: EP rank j == global rank j
         _save_file(_expert_shard(model, optimizer, experts), tmp / _shard_name(rank))
-    _barrier()
+    barrier()
 
     if rank == 0:
         model_state = model.state_dict()
@@ -235,7 +231,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module,
         _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "setup_distributed", "set_deterministic", "world_size"]
+__all__ = ["DistInfo", "setup_distributed", "set_deterministic", "world_size", "barrier"]
 
 
 @dataclass
@@ -33,6 +33,18 @@ def _free_port() -> int:
 def world_size() -> int:
     """The world size, before or after the process group exists (torchrun's WORLD_SIZE)."""
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a world of one). Under NCCL the barrier names
+    this process's GPU, so NCCL need not guess it from the rank (it warns when it does, and a
+    guess is wrong where ranks and GPUs are mapped otherwise)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def setup_distributed() -> DistInfo:

@@ -152,9 +152,9 @@ def prepare_data(data_cfg: DataConfig, *, rank: int = 0,
     if rank == 0 and not _is_complete(directory):
         _build(data_cfg, files, directory, workers)
     if is_distributed():
-        import torch
+        from ..distributed import barrier
 
-        torch.distributed.barrier()
+        barrier()
     if not _is_complete(directory):
         _build(data_cfg, files, directory, workers)
     meta = json.loads((directory / _META).read_text())
