@@ -32,7 +32,7 @@ def run(name: str, config: str, overrides: list[str], env: dict, out: Path) -> d
     shutil.rmtree(runs, ignore_errors=True)
     cmd = [sys.executable, "-m", "megatron_moe.training", "--config", config, "logging.wandb=false",
            f"logging.runs_dir={runs}", "train.global_batch_size=64", "train.micro_batch_size=32",
-           "train.train_iters=2", "train.lr_warmup_iters=1", "train.eval_interval=0", "train.save_interval=0",
+           "train.train_iters=2", "train.lr_warmup_iters=1", "train.eval_interval=0", "train.save_final=false",
            "train.log_interval=1", "data.default_corpus_mb=4", "data.cache_dir=/tmp/first-step-data", *overrides]
     t0 = time.time()
     with open(out / f"first_step_{name}.log", "w") as f:

@@ -121,7 +121,7 @@ def our_trainer(out: Path) -> dict:
     cmd = [sys.executable, "-m", "megatron_moe.training", "--config", "dmoe-xs", "logging.wandb=false",
            f"logging.runs_dir={runs}", f"train.global_batch_size={GB}", f"train.micro_batch_size={MB}",
            f"train.train_iters={STEPS}", "train.lr_warmup_iters=10", "train.eval_interval=0",
-           "train.save_interval=100000", "train.log_interval=10",
+           "train.save_interval=0", "train.save_final=false", "train.log_interval=10",
            "data.default_corpus_mb=4", "data.cache_dir=/tmp/ours-data"]
     log = out / "ours.log"
     t0 = time.time()
