@@ -121,6 +121,7 @@ class Run:
     skipped: int = 0  # non-finite steps in the whole run
     consecutive: int = 0  # ... and in a row up to now
     first_info: dict = field(default_factory=dict)  # logged with this process's first step
+    stop: StopSignals | None = None  # SIGTERM / SIGUSR1 noted by pretrain: save and stop
 
     def print(self, *args, bar=None) -> None:
         if self.di.rank != 0:
@@ -139,6 +140,7 @@ class StepResult:
     lr: float
     finite: bool
     packed_C: torch.Tensor  # [lm, aux, z, dropped(L), tokens_per_expert(L*E), grad_norm] on the CPU
+    stop_signal: str | None = None  # a stop signal any rank received (stop_signals.py)
 
 
 # ----------------------------------------------------------------------------- build
@@ -314,12 +316,20 @@ def train_step(run: Run) -> StepResult:
             tpe_LE = cur_LE if tpe_LE is None else tpe_LE + cur_LE
     run.reducer.reduce()
     grad_norm = clip_grad_norm(run.params, tc.clip_grad, run.groups, scale=False)  # the step scales
+    # the stop-signal flags ride along: every rank learns whether any rank received one
+    stop_S = run.stop.flags(device) if run.stop is not None else None
     packed = torch.cat([torch.stack([lm_sum, aux_sum, z_sum]), dropped_L]
-                       + ([tpe_LE.reshape(-1)] if tpe_LE is not None else []))
+                       + ([tpe_LE.reshape(-1)] if tpe_LE is not None else [])
+                       + ([stop_S] if stop_S is not None else []))
     if run.di.world_size > 1:
         dist.all_reduce(packed)
     # grad_norm is global already (the same on every rank): appended after the reduction
     packed_C = torch.cat([packed, grad_norm.reshape(1).to(packed)]).cpu()  # the one sync
+    stop_signal = None
+    if stop_S is not None:  # the flags out again: packed_C keeps the layout StepResult documents
+        n = len(stop_S)
+        stop_signal = run.stop.first(packed_C[-1 - n:-1])
+        packed_C = torch.cat([packed_C[:-1 - n], packed_C[-1:]])
     lm_loss = float(packed_C[0]) / (run.num_micro * run.di.world_size)
     gnorm = float(packed_C[-1])
     finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
@@ -333,7 +343,7 @@ def train_step(run: Run) -> StepResult:
         run.consecutive += 1
     run.step += 1
     run.consumed += tc.global_batch_size
-    return StepResult(lm_loss, gnorm, lr, finite, packed_C)
+    return StepResult(lm_loss, gnorm, lr, finite, packed_C, stop_signal)
 
 
 def step_metrics(run: Run, r: StepResult, step_time: float) -> dict:
@@ -420,7 +430,7 @@ def _check_divergence(run: Run, r: StepResult, bar) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def _loop(run: Run, stop: StopSignals | None = None) -> dict:
+def _loop(run: Run) -> dict:
     """Steps until train.train_iters (or train.exit_interval, or a stop signal: stop_signals.py):
     the step, its metrics, evaluation, checkpoints. Returns the final metrics (see pretrain)."""
     from tqdm import tqdm
@@ -452,7 +462,7 @@ def _loop(run: Run, stop: StopSignals | None = None) -> dict:
             if not r.finite:
                 _check_divergence(run, r, bar)
             exit_now = tc.exit_interval is not None and step % tc.exit_interval == 0
-            stopped_by = stop.agreed(run.di.device) if stop is not None and step < tc.train_iters else None
+            stopped_by = r.stop_signal if step < tc.train_iters else None
             if ((tc.save_interval and step % tc.save_interval == 0) or exit_now or stopped_by
                     or (step == tc.train_iters and tc.save_final)):
                 last_saved = save(run, r.lr)
@@ -606,7 +616,8 @@ def _train(cfg: RunConfig, resume: bool, di: DistInfo, num_micro: int, stop: Sto
             run.first_info["config_changes"] = changes
         if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
             restore(run, ckpt)
-        return _loop(run, stop)
+        run.stop = stop
+        return _loop(run)
     except BaseException as e:
         logger.close(exit_code=1)
         message = _known_failure(e, cfg.train, run)
