@@ -40,6 +40,7 @@ NO_TE_NO_APEX = ["--transformer-impl", "local", "--no-persist-layer-norm", "--no
 
 
 def _num(v) -> str:
+    """A flag or value as a command-line word (floats as repr: their exact value)."""
     return repr(v) if isinstance(v, float) else str(v)
 
 
@@ -54,7 +55,7 @@ def model_flags(model) -> list[str]:
         f.append("--swiglu")
     if not model.share_embeddings_and_output_weights:
         f.append("--untie-embeddings-and-output-weights")
-    return [_num(x) if not isinstance(x, str) else x for x in f]
+    return [_num(x) for x in f]
 
 
 def moe_flags(moe) -> list[str]:
@@ -85,7 +86,7 @@ def moe_flags(moe) -> list[str]:
         f += ["--moe-shared-expert-intermediate-size", moe.shared_expert_ffn_hidden_size]
     if moe.expert_parallel_size != 1:
         f += ["--expert-model-parallel-size", moe.expert_parallel_size]
-    return [_num(x) if not isinstance(x, str) else x for x in f]
+    return [_num(x) for x in f]
 
 
 def train_flags(tc) -> list[str]:
@@ -103,7 +104,7 @@ def train_flags(tc) -> list[str]:
         f.append("--bf16")
     if tc.exit_interval:
         f += ["--exit-interval", tc.exit_interval]
-    return [_num(x) if not isinstance(x, str) else x for x in f]
+    return [_num(x) for x in f]
 
 
 def data_flags(data, vocab_size: int) -> tuple[list[str], str | None]:

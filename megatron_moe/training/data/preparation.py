@@ -151,10 +151,9 @@ def prepare_data(data_cfg: DataConfig, *, rank: int = 0,
     directory = cache / f"{name}-{_cache_key(data_cfg, files)}"
     if rank == 0 and not _is_complete(directory):
         _build(data_cfg, files, directory, workers)
-    if is_distributed():
-        from ..distributed import barrier
+    from ..distributed import barrier
 
-        barrier()
+    barrier()  # (a world of one process: nothing to wait for)
     if not _is_complete(directory):
         _build(data_cfg, files, directory, workers)
     meta = json.loads((directory / _META).read_text())
