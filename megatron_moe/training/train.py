@@ -690,8 +690,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("MEGATRON_MOE_DEBUG"):
             raise
         first, _, more = str(e).partition("\n")  # a list (one line per key) follows the error
-        print(f"megatron-moe-train: error: {first} (MEGATRON_MOE_DEBUG=1 shows the traceback)"
-              + (f"\n{more}" if more else ""), file=sys.stderr, flush=True)
+        # One write: print() writes the text and its newline apart, and under torchrun the ranks'
+        # lines then run together on the shared stderr pipe.
+        sys.stderr.write(f"megatron-moe-train: error: {first} (MEGATRON_MOE_DEBUG=1 shows the traceback)\n"
+                         + (f"{more}\n" if more else ""))
+        sys.stderr.flush()
         return 1
     finally:
         if dist.is_initialized():
