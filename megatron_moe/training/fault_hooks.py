@@ -20,6 +20,9 @@ class FaultHooks:
     into the temporary folder, so a test can kill the process in the middle of the write."""
     bf16_on_cpu: bool = False
     """``train.bf16`` applies on the CPU too (it is GPU-only otherwise), to test the bf16 paths."""
+    cuda_graphs_on_cpu: bool = False
+    """``train.cuda_graphs`` applies on the CPU too, through cuda_graphs.EagerReplay (a stand-in
+    that re-runs the captured step), to test everything around the graph."""
     raise_oom_at_step: int | None = None
     """0: the start-up, once the model is built; N >= 1: step N, before its first forward.
     There the run raises the CPU allocator's out-of-memory error (a RuntimeError with

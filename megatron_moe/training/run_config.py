@@ -35,6 +35,7 @@ __all__ = ["TrainConfig", "LoggingConfig", "RunConfig", "load_config", "config_f
 
 SECTIONS = ("name", "model", "train", "data", "logging")
 WANDB_MODES = ("auto", "online", "offline")
+CUDA_GRAPH_MODES = ("none", "micro_batch")  # train.cuda_graphs (cuda_graphs.py)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -105,6 +106,10 @@ class TrainConfig:
     last backward, as soon as its gradients are complete, instead of after it (as Megatron's
     --overlap-grad-reduce); the same update, with the exchange hidden behind the backward
     (measured: docs/expert-parallelism.md)."""
+    cuda_graphs: str | bool = "none"  # false (YAML's reading of `off`) = "none"
+    """'micro_batch': capture each micro-batch's forward, loss and backward in a CUDA graph at the
+    first step and replay it (one launch instead of thousands; megatron_moe/training/cuda_graphs.py
+    says what it needs and what the capture costs at start-up); 'none': eager."""
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms; on GPUs also
     CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring): identical losses for identical seeds on the
@@ -148,6 +153,10 @@ class TrainConfig:
                   "overlap_grad_reduce"):
             if not isinstance(getattr(self, f), bool):
                 invalid(f"train.{f}", getattr(self, f), "expected true or false")
+        if self.cuda_graphs is False:  # YAML reads `off` / `false` as a boolean
+            self.cuda_graphs = "none"
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            invalid("train.cuda_graphs", self.cuda_graphs, f"expected one of {CUDA_GRAPH_MODES}")
         if self.lr_warmup_iters > self.decay_iters:  # either key may be the one that changed
             key = "train.train_iters" if self.lr_decay_iters is None else "train.lr_decay_iters"
             why = ", as train.lr_decay_iters is null" if self.lr_decay_iters is None else ""

@@ -69,6 +69,7 @@ from megatron_moe.dispatch import exchange_time_ms
 from megatron_moe.megatron import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
 from megatron_moe.parallel import ParallelGroups, init_parallel_groups
 
+from .cuda_graphs import EagerReplay, MicroBatchGraph, check_supported
 from .checkpoint import (ABSENT, CheckpointError, config_changes, latest_checkpoint, load_checkpoint,
                          save_checkpoint, shape_changes, verify_checkpoint)
 from .data import MicroBatchSampler, build_datasets, micro_batch_loader, prepare_data, split_tokens
@@ -122,6 +123,14 @@ class Run:
     consecutive: int = 0  # ... and in a row up to now
     first_info: dict = field(default_factory=dict)  # logged with this process's first step
     stop: StopSignals | None = None  # SIGTERM / SIGUSR1 noted by pretrain: save and stop
+    graph: MicroBatchGraph | None = None  # train.cuda_graphs=micro_batch (cuda_graphs.py)
+
+    def micro_batch(self, batch: dict) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch (replayed from the graph if there is
+        one): its statistics, [lm, aux, z, dropped(L), tokens_per_expert(L*E)] fp32."""
+        if self.graph is not None:
+            return self.graph(batch)
+        return _micro_batch(self.model, self.layers, self.amp, self.num_micro, batch)
 
     def print(self, *args, bar=None) -> None:
         if self.di.rank != 0:
@@ -245,11 +254,36 @@ def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, s
     n_train = tc.train_iters * tc.global_batch_size
     sampler = MicroBatchSampler(consumed, n_train, tc.micro_batch_size, rank, world)
     data_iter = iter(micro_batch_loader(train_ds, sampler, device, tc.seed))
-    return Run(cfg=cfg, di=di, logger=logger, num_micro=num_micro, model=model, params=params,
-               optimizer=optimizer, reducer=reducer, groups=groups, amp=amp, bf16=bf16, layers=layers,
-               layer_names=_moe_layer_names(model, layers), data_iter=data_iter,
-               valid_loader=valid_loader, flops_per_token=float(flops_per_token(mc)), peak_tflops=peak,
-               step=step, consumed=consumed, first_info={"world_size": world, **data_info})
+    run = Run(cfg=cfg, di=di, logger=logger, num_micro=num_micro, model=model, params=params,
+              optimizer=optimizer, reducer=reducer, groups=groups, amp=amp, bf16=bf16, layers=layers,
+              layer_names=_moe_layer_names(model, layers), data_iter=data_iter,
+              valid_loader=valid_loader, flops_per_token=float(flops_per_token(mc)), peak_tflops=peak,
+              step=step, consumed=consumed, first_info={"world_size": world, **data_info})
+    if tc.cuda_graphs != "none":
+        run.graph = _micro_batch_graph(run, ep)
+    return run
+
+
+def _micro_batch_graph(run: Run, ep: int) -> MicroBatchGraph:
+    """train.cuda_graphs=micro_batch: the graph of ``_micro_batch``, captured at the first step."""
+    tc = run.cfg.train
+    check_supported(tc.cuda_graphs, device=run.di.device, layers=run.layers, ep_size=ep,
+                    simulated=hooks.cuda_graphs_on_cpu)
+    if run.di.world_size > 1 and tc.overlap_grad_reduce:
+        run.print("note: with train.cuda_graphs the gradient reduction runs after the backward "
+                  "(train.overlap_grad_reduce applies to eager steps)")
+
+    def captured(g: MicroBatchGraph) -> None:
+        run.print(f"cuda graphs: {g.warmup_iters} warm-up micro-batches {g.warmup_s:.1f} s, "
+                  f"capture {g.capture_s:.1f} s (train.cuda_graphs={tc.cuda_graphs})")
+        times = {"cuda_graph_warmup_s": g.warmup_s, "cuda_graph_capture_s": g.capture_s}
+        run.first_info.update(times)  # the capture runs in the first step: its row has them
+        run.logger.summary(times)
+
+    step = lambda batch: _micro_batch(run.model, run.layers, run.amp, run.num_micro, batch)  # noqa: E731
+    return MicroBatchGraph(step, grads=run.params, state=list(run.model.buffers()),
+                           backend=EagerReplay() if run.di.device.type != "cuda" else None,
+                           on_capture=captured)
 
 
 def restore(run: Run, ckpt: Path) -> None:
@@ -284,43 +318,53 @@ def _forward_loss(model, batch: dict, amp) -> torch.Tensor:
     return (loss_BS.float() * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def _micro_batch(model, layers: list, amp, num_micro: int, batch: dict) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch (the LM loss scaled by 1/num_micro, the aux
+    losses by set_aux_loss_scale); returns its statistics as one fp32 vector,
+    [lm, aux, z, dropped(L), tokens_per_expert(L*E)] (what train.cuda_graphs captures)."""
+    lm = _forward_loss(model, batch, amp)
+    if "loss_factor" in batch:  # tests: a diverged step (fault_hooks.loss_factor_at_step)
+        lm = lm * batch["loss_factor"]
+    (lm / num_micro).backward()
+    zero = lm.new_zeros(())
+
+    def total(values) -> torch.Tensor:
+        values = [v.detach().float() for v in values if v is not None]
+        return torch.stack(values).sum() if values else zero
+
+    parts = [lm.detach().float(), total(m.load_balancing_loss for m in layers), total(m.z_loss for m in layers)]
+    if layers:
+        parts += [torch.stack([zero if m.dropped_fraction is None else m.dropped_fraction.float()
+                               for m in layers])]
+        parts += [torch.stack([m.tokens_per_expert.float() for m in layers]).reshape(-1)]
+    return torch.cat([p.reshape(-1) for p in parts])
+
+
 def train_step(run: Run) -> StepResult:
     """One optimizer step over ``num_micro`` micro-batches; the one host synchronisation is the
     read of the step's statistics (they decide whether the update is applied)."""
-    tc, device, n_layers = run.cfg.train, run.di.device, len(run.layers)
+    tc, device = run.cfg.train, run.di.device
     lr = lr_at(run.step, tc)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    run.optimizer.zero_grad(set_to_none=True)
-    lm_sum, aux_sum, z_sum = (torch.zeros((), device=device) for _ in range(3))
-    dropped_L = torch.zeros(n_layers, device=device)
-    tpe_LE = None
+    # a CUDA graph adds into the gradients it was captured with: zero them in place
+    run.optimizer.zero_grad(set_to_none=run.graph is None)
     hooks.out_of_memory(run.step + 1)  # tests: a micro-batch too large for the memory
+    stats_C = None
     for micro in range(run.num_micro):
-        lm = _forward_loss(run.model, _to(next(run.data_iter), device), run.amp)
-        if micro == 0 and run.step + 1 in hooks.loss_factor_at_step:  # tests: a diverged step
-            lm = lm * hooks.loss_factor_at_step[run.step + 1]
-        if micro == run.num_micro - 1:
+        batch = _to(next(run.data_iter), device)
+        if hooks.loss_factor_at_step:  # tests: a diverged step (the first micro-batch's loss x factor)
+            factor = hooks.loss_factor_at_step.get(run.step + 1, 1.0) if micro == 0 else 1.0
+            batch["loss_factor"] = torch.tensor(factor, device=device)
+        if micro == run.num_micro - 1 and run.graph is None:
             run.reducer.arm()  # overlap_grad_reduce: buckets reduce during this backward
-        (lm / run.num_micro).backward()
-        lm_sum += lm.detach()
-        for i, layer in enumerate(run.layers):
-            if layer.load_balancing_loss is not None:
-                aux_sum += layer.load_balancing_loss.detach().float()
-            if layer.z_loss is not None:
-                z_sum += layer.z_loss.detach().float()
-            if layer.dropped_fraction is not None:
-                dropped_L[i] += layer.dropped_fraction.float()
-        if n_layers:
-            cur_LE = torch.stack([layer.tokens_per_expert.float() for layer in run.layers])
-            tpe_LE = cur_LE if tpe_LE is None else tpe_LE + cur_LE
+        micro_C = run.micro_batch(batch)
+        stats_C = micro_C.clone() if stats_C is None else stats_C.add_(micro_C)
     run.reducer.reduce()
     grad_norm = clip_grad_norm(run.params, tc.clip_grad, run.groups, scale=False)  # the step scales
     # the stop-signal flags ride along: every rank learns whether any rank received one
     stop_S = run.stop.flags(device) if run.stop is not None else None
-    packed = torch.cat([torch.stack([lm_sum, aux_sum, z_sum]), dropped_L]
-                       + ([tpe_LE.reshape(-1)] if tpe_LE is not None else [])
-                       + ([stop_S] if stop_S is not None else []))
+    packed = torch.cat([stats_C] + ([stop_S] if stop_S is not None else []))
     if run.di.world_size > 1:
         dist.all_reduce(packed)
     # grad_norm is global already (the same on every rank): appended after the reduction
@@ -338,7 +382,7 @@ def train_step(run: Run) -> StepResult:
         update_expert_biases(run.model)
         run.consecutive = 0
     else:  # skip the update; the step, its data and the schedule still count
-        run.optimizer.zero_grad(set_to_none=True)
+        run.optimizer.zero_grad(set_to_none=run.graph is None)
         run.skipped += 1
         run.consecutive += 1
     run.step += 1
@@ -639,6 +683,11 @@ def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
     num_micro = _micro_batches(tc)  # bad input fails fast, before the process group
     set_deterministic(tc.deterministic)  # before CUDA / NCCL initialise
     di = setup_distributed()
+    try:  # what needs no model (the device, expert parallelism), before the data is prepared
+        check_supported(tc.cuda_graphs, device=di.device, layers=[], simulated=hooks.cuda_graphs_on_cpu,
+                        ep_size=cfg.model.moe.expert_parallel_size if cfg.model.moe is not None else 1)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     lock = _lock_run_dir(cfg.run_dir, di)  # before the run reads or writes its directory
     try:
         with StopSignals() as stop:  # SIGTERM / SIGUSR1: save after the step and stop

@@ -1,7 +1,7 @@
 """The trainer's CLI with fault hooks set, for tests that run it as a subprocess (or under torchrun).
 
     python tests/training/_hooked_train.py [--bf16-on-cpu] [--loss-factor 3:nan,4:inf]
-        [--pause-save STEP:SECONDS] [--oom-at-step N] -- TRAIN_ARGS...
+        [--pause-save STEP:SECONDS] [--oom-at-step N] [--cuda-graphs-on-cpu] -- TRAIN_ARGS...
 
 Each flag sets a field of ``megatron_moe.training.fault_hooks.hooks`` (see there), then
 ``megatron_moe.training.train.main(TRAIN_ARGS)`` runs.
@@ -29,6 +29,7 @@ def apply_hooks(argv: list[str]) -> list[str]:
     ap.add_argument("--loss-factor", type=_factors, default={})
     ap.add_argument("--pause-save")
     ap.add_argument("--oom-at-step", type=int)
+    ap.add_argument("--cuda-graphs-on-cpu", action="store_true")
     if "--" in argv:
         cut = argv.index("--")
         args, rest = ap.parse_args(argv[:cut]), argv[cut + 1:]
@@ -37,6 +38,7 @@ def apply_hooks(argv: list[str]) -> list[str]:
     hooks.bf16_on_cpu = args.bf16_on_cpu
     hooks.loss_factor_at_step = args.loss_factor
     hooks.raise_oom_at_step = args.oom_at_step
+    hooks.cuda_graphs_on_cpu = args.cuda_graphs_on_cpu
     if args.pause_save:
         step, _, seconds = args.pause_save.partition(":")
         hooks.pause_save = (int(step), float(seconds or 0))

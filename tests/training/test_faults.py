@@ -385,6 +385,21 @@ def _resume_and_compare(workdir, name: str, straight: list[float], expect_from: 
     return step
 
 
+def test_a_nonfinite_step_under_cuda_graphs_is_skipped_like_an_eager_one(workdir):
+    """Step 2 poisoned (NaN) with train.cuda_graphs=micro_batch (the CPU stand-in for the graph;
+    the poison goes in through the graph's static inputs): skipped, and the steps after it have
+    the eager run's losses, every digit (the poisoned gradients zeroed in place, not freed)."""
+    rows = {}
+    for mode in ("none", "micro_batch"):
+        args = _args(workdir, f"nan-graph-{mode}", "train.train_iters=4", "train.save_final=false",
+                     f"train.cuda_graphs={mode}")
+        _run(args, hooks=["--loss-factor", "2", "--cuda-graphs-on-cpu"])
+        rows[mode] = _metrics(workdir / "runs" / f"nan-graph-{mode}")
+    assert [r["skipped_steps"] for r in rows["micro_batch"]] == [0, 1, 1, 1]
+    assert [r["lm_loss"] for r in rows["micro_batch"]] == [r["lm_loss"] for r in rows["none"]]
+    assert rows["micro_batch"][1]["lm_loss"] is None and rows["micro_batch"][3]["lm_loss"] > 0
+
+
 def test_kill_mid_step_then_resume_loses_at_most_the_steps_since_the_checkpoint(workdir, straight):
     """SIGKILL as soon as step 6 is logged (so during step 7, or a little later: wherever the
     run is); --resume restarts from the last complete checkpoint. The steps logged before the

@@ -1,0 +1,183 @@
+"""CUDA graphs for the training step (``train.cuda_graphs``).
+
+    megatron-moe-train --config dmoe-xs train.cuda_graphs=micro_batch
+
+``none`` (the default) runs every micro-batch eagerly: the host issues each kernel of the
+forward and the backward, a few thousand launches per micro-batch at XS sizes.
+``micro_batch`` captures the forward, the loss and the backward of one micro-batch into a CUDA
+graph once, at the first step, and replays it for every micro-batch after: one launch for all
+of them. What stays eager per step: copying each micro-batch into the graph's input buffers,
+adding up its statistics, zeroing the gradients, the gradient reduction of data parallelism,
+clipping, the optimizer and the expert-bias update.
+
+The capture, at the first step of the process (a fresh start or a resume), costs
+``warmup_iters`` eager forward-backward passes on a side stream (they autotune the kernels and
+settle lazy allocations; their effects are undone), then one capture; the trainer prints both
+times (``cuda graphs: ...``) and logs them as ``cuda_graph_warmup_s`` and ``cuda_graph_capture_s``.
+
+Why a replay is the eager micro-batch:
+  * inputs: the batch is copied into static buffers (the shape is fixed: micro_batch_size x
+    seq_length);
+  * parameters are read by address: the optimizer updates them in place, bf16 copies are
+    refreshed in place (precision.py), checkpoints load in place;
+  * gradients: the backward adds into fp32 gradients (the masters', or the parameters'
+    without bf16_params) that exist before the capture; each step zeroes them in place
+    (``zero_grad(set_to_none=False)``) instead of freeing them, so the first micro-batch adds
+    into zeros (the same sum: 0 + g = g);
+  * the step's statistics (LM loss, aux and z losses, dropped fractions, tokens per expert) come
+    out of the graph as one static vector that the step adds up after each replay;
+  * what the warm-up changed is put back before the capture: gradients zeroed, the model's
+    buffers (e.g. the routers' token counts for the expert-bias update) and the RNG states
+    restored.
+
+What a graph cannot hold, refused at start-up with one line each (:func:`check_supported`):
+a host synchronisation inside the forward or the backward, i.e. ``model.moe.mlp_impl``
+'reference' or 'capacity', expert parallelism (the exchange's split sizes are read by the
+host), ``MEGATRON_MOE_CHECK_FINITE``; a run on the CPU. Data parallelism works, with the
+gradient reduction after the backward instead of overlapped with it (the backward's
+per-parameter hooks that start bucket reductions run only at capture).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["MicroBatchGraph", "EagerReplay", "check_supported"]
+
+_NO_GRAPH_IMPLS = ("reference", "capacity")  # their forward reads device values on the host
+
+
+def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: int,
+                    simulated: bool = False) -> None:
+    """Refuse what a CUDA graph of the micro-batch cannot hold (ValueError, one line naming the
+    setting and the fix). ``simulated``: tests run :class:`EagerReplay` on the CPU."""
+    if mode == "none":
+        return
+    off = "or train.cuda_graphs=none"
+    if device.type != "cuda" and not simulated:
+        raise ValueError(f"train.cuda_graphs={mode} needs a CUDA GPU (this run is on the {device.type}): "
+                         "set train.cuda_graphs=none")
+    if ep_size > 1:
+        raise ValueError(f"model.moe.expert_parallel_size={ep_size}: the token exchange's sizes are read "
+                         f"by the host in every forward, which a CUDA graph cannot hold; train.cuda_graphs="
+                         f"{mode} runs with model.moe.expert_parallel_size=1 (set it, {off})")
+    from megatron_moe.experts import resolve_mlp_impl
+
+    for layer in layers:
+        impl = resolve_mlp_impl(layer.cfg, torch.bfloat16, "cuda")
+        if impl in _NO_GRAPH_IMPLS:
+            raise ValueError(f"model.moe.mlp_impl={impl} synchronises with the host in every forward, which "
+                             f"a CUDA graph cannot hold: use triton_grouped, torch_grouped_mm or "
+                             f"blocksparse with train.cuda_graphs={mode} ({off})")
+        if layer.check_finite:
+            raise ValueError(f"MEGATRON_MOE_CHECK_FINITE=1 reads the layer input's non-finite count on the "
+                             f"host in every forward, which a CUDA graph cannot hold: unset it {off}")
+
+
+class _CudaGraphs:
+    """The real thing: warm-up on a side stream, capture, replay."""
+
+    def warmup(self, fn: Callable[[], torch.Tensor], n: int) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(n):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        # the warm-up's freed blocks go back to the device: the capture allocates its own pool
+        torch.cuda.empty_cache()
+
+    def capture(self, fn: Callable[[], torch.Tensor]):
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call of another thread (the data loader's pinning, W&B) during
+        # the capture does not invalidate it
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph, out: torch.Tensor) -> None:
+        graph.replay()
+
+
+class EagerReplay:
+    """A stand-in for the CPU tests: 'capture' runs the step once to make its static output,
+    'replay' runs it again and copies the result into that output. It exercises everything
+    around the graph (static inputs and outputs, the warm-up's undo, in-place gradients); what
+    it cannot show is a replay that skips the Python (the GPU tests compare that)."""
+
+    def warmup(self, fn, n: int) -> None:
+        for _ in range(n):
+            fn()
+
+    def capture(self, fn):
+        return fn, fn()
+
+    def replay(self, graph, out: torch.Tensor) -> None:
+        out.copy_(graph())
+
+
+class MicroBatchGraph:
+    """``step(batch) -> stats`` (a forward, loss and backward whose result is a 1-D tensor)
+    captured at the first call and replayed at every call after.
+
+    ``grads``: the tensors whose ``.grad`` the backward adds into; they get zero gradients before
+    the warm-up if they have none, and the caller zeroes them in place between optimizer steps.
+    The first call must come when those gradients are zero (a step's first micro-batch): the
+    warm-up's gradients are undone by zeroing. ``state``: tensors the step changes in place
+    (restored after the warm-up). The returned tensor is the graph's static output: the next
+    call overwrites it.
+    """
+
+    def __init__(self, step: Callable[[dict], torch.Tensor], *, grads: list[torch.Tensor],
+                 state: list[torch.Tensor], warmup_iters: int = 2, backend=None,
+                 on_capture: Callable[["MicroBatchGraph"], None] | None = None):
+        self.step, self.grads, self.state = step, list(grads), list(state)
+        self.warmup_iters = warmup_iters
+        self.backend = backend if backend is not None else _CudaGraphs()
+        self.on_capture = on_capture
+        self.static: dict[str, torch.Tensor] | None = None
+        self.graph = self.out = None
+        self.warmup_s = self.capture_s = None
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        if self.graph is None:
+            self._capture(batch)
+        else:
+            if any(g.grad is not ref for g, ref in zip(self.grads, self._grad_refs)):
+                raise RuntimeError("cuda_graphs: a gradient the graph adds into was freed or replaced "
+                                   "since the capture: zero gradients in place (zero_grad(set_to_none=False))")
+            for k, v in batch.items():
+                self.static[k].copy_(v, non_blocking=True)
+        self.backend.replay(self.graph, self.out)
+        return self.out
+
+    @torch.no_grad()
+    def _undo(self, saved_state: list[torch.Tensor], rng) -> None:
+        torch._foreach_zero_([g.grad for g in self.grads])
+        for t, s in zip(self.state, saved_state):
+            t.copy_(s)
+        torch.random.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1])
+
+    def _capture(self, batch: dict) -> None:
+        self.static = {k: v.clone() for k, v in batch.items()}
+        for g in self.grads:
+            if g.grad is None:
+                g.grad = torch.zeros_like(g)
+        self._grad_refs = [g.grad for g in self.grads]
+        saved_state = [t.clone() for t in self.state]
+        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+        run = lambda: self.step(self.static)  # noqa: E731
+        t0 = time.perf_counter()
+        self.backend.warmup(run, self.warmup_iters)
+        self._undo(saved_state, rng)
+        t1 = time.perf_counter()
+        self.graph, self.out = self.backend.capture(run)
+        self._undo(saved_state, rng)  # a real capture runs nothing; EagerReplay's did
+        self.warmup_s, self.capture_s = t1 - t0, time.perf_counter() - t1
+        if self.on_capture is not None:
+            self.on_capture(self)

@@ -1,0 +1,205 @@
+"""train.cuda_graphs: the micro-batch graph's bookkeeping on the CPU, the trainer with it on the GPU.
+
+    pytest tests/training/test_cuda_graphs.py -q
+
+On the CPU, cuda_graphs.EagerReplay stands in for the graph (it re-runs the captured step and
+copies its result into the static output), so what is tested here is everything around the
+capture: static inputs and output, gradients that exist before the capture and are added into,
+the warm-up's effects undone, the checks that refuse what a graph cannot hold. The end-to-end
+runs with and without it are in test_train.py (the same losses, every digit); the GPU test
+below compares real replays with eager steps.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_moe import MoEConfig
+from megatron_moe.training.cuda_graphs import EagerReplay, MicroBatchGraph, check_supported
+from megatron_moe.training.run_config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Counter(EagerReplay):
+    def __init__(self):
+        self.warmups = self.captures = self.replays = 0
+
+    def warmup(self, fn, n):
+        self.warmups += n
+        super().warmup(fn, n)
+
+    def capture(self, fn):
+        self.captures += 1
+        return super().capture(fn)
+
+    def replay(self, graph, out):
+        self.replays += 1
+        super().replay(graph, out)
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    m.register_buffer("seen", torch.zeros(()))  # state the step changes in place
+    return m
+
+
+def _step(model):
+    def step(batch):
+        model.seen += batch["x"].shape[0]
+        y = model(batch["x"])
+        loss = ((y - batch["t"]) ** 2).mean()
+        loss.backward()
+        noise = torch.rand(())  # the RNG's position: the warm-up must not move it
+        return torch.stack([loss.detach(), noise])
+    return step
+
+
+def test_replays_equal_the_eager_steps_and_the_warmup_leaves_no_trace():
+    """Four micro-batches through the graph stand-in: the same output tensor each time (the
+    static output), the same losses, gradients (float64 sums of the eager steps), buffers and
+    RNG stream as four plain steps; two warm-up passes and one capture happened."""
+    batches = [{"x": torch.randn(4, 6), "t": torch.randn(4, 3)} for _ in range(4)]
+    ref, got = _model(), _model()
+    torch.manual_seed(5)
+    want = [_step(ref)(b) for b in batches]
+    grads_ref = [p.grad.double() for p in ref.parameters()]
+
+    backend = _Counter()
+    captured = []
+    graph = MicroBatchGraph(_step(got), grads=list(got.parameters()), state=list(got.buffers()),
+                            backend=backend, on_capture=captured.append)
+    torch.manual_seed(5)
+    outs = []
+    for b in batches:
+        out = graph(b)
+        outs.append(out.clone())
+        assert out is graph.out
+    assert (backend.warmups, backend.captures, backend.replays) == (2, 1, 4)
+    assert captured == [graph] and graph.warmup_s >= 0 and graph.capture_s >= 0
+    for w, o in zip(want, outs):
+        assert torch.equal(w, o)
+    for p, g in zip(got.parameters(), grads_ref):
+        assert torch.allclose(p.grad.double(), g, rtol=1e-6, atol=1e-7)
+    assert got.seen.item() == ref.seen.item() == 16
+
+
+def test_inputs_are_copied_into_the_static_buffers():
+    """After the capture the graph reads its own buffers: a later batch is copied in, and
+    changing the caller's tensor afterwards changes nothing."""
+    m = _model()
+    graph = MicroBatchGraph(_step(m), grads=list(m.parameters()), state=[], backend=EagerReplay())
+    first = {"x": torch.randn(4, 6), "t": torch.randn(4, 3)}
+    graph(first)
+    assert graph.static["x"] is not first["x"] and torch.equal(graph.static["x"], first["x"])
+    second = {"x": torch.randn(4, 6), "t": torch.randn(4, 3)}
+    graph(second)
+    assert torch.equal(graph.static["x"], second["x"])
+    second["x"].zero_()
+    assert not torch.equal(graph.static["x"], second["x"])
+
+
+def test_gradients_exist_before_the_capture_and_are_added_into():
+    """No .grad yet: the capture makes zero ones (a graph needs their addresses); the steps add
+    into those same tensors, which the trainer zeroes in place between optimizer steps."""
+    m = _model()
+    assert all(p.grad is None for p in m.parameters())
+    graph = MicroBatchGraph(_step(m), grads=list(m.parameters()), state=[], backend=EagerReplay())
+    b = {"x": torch.randn(4, 6), "t": torch.randn(4, 3)}
+    graph(b)
+    ids = [id(p.grad) for p in m.parameters()]
+    one = [p.grad.clone() for p in m.parameters()]
+    graph(b)
+    assert [id(p.grad) for p in m.parameters()] == ids
+    for p, g in zip(m.parameters(), one):
+        assert torch.allclose(p.grad, 2 * g)
+    m.zero_grad(set_to_none=True)  # the graph would write into freed memory: refused
+    with pytest.raises(RuntimeError, match=r"a gradient the graph adds into was freed or replaced"):
+        graph(b)
+
+
+def _layer(**kw):
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, top_k=2, **kw)
+    return SimpleNamespace(cfg=cfg, check_finite=False)
+
+
+def test_what_a_graph_cannot_hold_is_refused_in_one_line():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    check_supported("none", device=cpu, layers=[_layer(mlp_impl="reference")], ep_size=4)  # eager: anything
+    check_supported("micro_batch", device=cuda, layers=[_layer(mlp_impl="triton_grouped")], ep_size=1)
+    check_supported("micro_batch", device=cuda, layers=[], ep_size=1)  # dense
+    cases = [
+        (dict(device=cpu, layers=[], ep_size=1),
+         "train.cuda_graphs=micro_batch needs a CUDA GPU (this run is on the cpu): set train.cuda_graphs=none"),
+        (dict(device=cuda, layers=[_layer()], ep_size=2),
+         "model.moe.expert_parallel_size=2: the token exchange's sizes are read by the host"),
+        (dict(device=cuda, layers=[_layer(mlp_impl="reference")], ep_size=1),
+         "model.moe.mlp_impl=reference synchronises with the host in every forward"),
+        (dict(device=cuda, layers=[_layer(mlp_impl="capacity")], ep_size=1),
+         "model.moe.mlp_impl=capacity synchronises with the host"),
+        (dict(device=cuda, layers=[SimpleNamespace(cfg=_layer().cfg, check_finite=True)], ep_size=1),
+         "MEGATRON_MOE_CHECK_FINITE=1 reads the layer input's non-finite count on the host"),
+    ]
+    for kw, text in cases:
+        with pytest.raises(ValueError) as e:
+            check_supported("micro_batch", **kw)
+        assert text in str(e.value) and "\n" not in str(e.value)
+        assert "train.cuda_graphs=none" in str(e.value) or "cuda_graphs=none" in str(e.value)
+
+
+def test_config_values():
+    assert load_config("tiny-cpu").train.cuda_graphs == "none"
+    assert load_config("tiny-cpu", ["train.cuda_graphs=micro_batch"]).train.cuda_graphs == "micro_batch"
+    assert load_config("tiny-cpu", ["train.cuda_graphs=off"]).train.cuda_graphs == "none"  # YAML: False
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs.*expected one of \('none', 'micro_batch'\)"):
+        load_config("tiny-cpu", ["train.cuda_graphs=layer"])
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs"):
+        load_config("tiny-cpu", ["train.cuda_graphs=true"])
+
+
+def test_the_trainer_refuses_graphs_on_the_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_moe.training", "--config", "tiny-cpu",
+                           "train.cuda_graphs=micro_batch", "train.train_iters=1", "train.lr_warmup_iters=0",
+                           f"logging.runs_dir={tmp_path}", "logging.wandb=false",
+                           f"data.cache_dir={tmp_path / 'cache'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert ("megatron-moe-train: error: train.cuda_graphs=micro_batch needs a CUDA GPU (this run is on "
+            "the cpu): set train.cuda_graphs=none") in proc.stderr
+    assert not (tmp_path / "cache").exists()  # refused before the data is prepared
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["model.moe.score_function=sigmoid", "model.moe.expert_bias=true"],
+                                   ["train.grad_accumulation_fusion=false"]])
+def test_graphed_steps_equal_eager_steps_on_the_gpu(tmp_path, extra):
+    """tiny-cpu on the GPU (bf16 params, fp32 masters), 6 steps of 2 micro-batches, eager and
+    with train.cuda_graphs=micro_batch: the same losses and gradient norms to bf16 rounding
+    (the kernels are the same; the replay runs them without the host), and the capture reported."""
+    from megatron_moe.training.train import pretrain
+
+    out = {}
+    for mode in ("none", "micro_batch"):
+        cfg = load_config("tiny-cpu", [f"name=g-{mode}", f"logging.runs_dir={tmp_path}", "logging.wandb=false",
+                                       f"data.cache_dir={tmp_path / 'cache'}", "data.default_corpus_mb=2",
+                                       "train.train_iters=6", "train.lr_warmup_iters=2", "train.eval_interval=3",
+                                       "train.save_final=false", f"train.cuda_graphs={mode}", *extra])
+        out[mode] = pretrain(cfg)
+    eager, graphed = out["none"]["losses"], out["micro_batch"]["losses"]
+    assert len(eager) == len(graphed) == 6
+    assert graphed == pytest.approx(eager, rel=2e-3), (eager, graphed)
+    assert out["micro_batch"]["val_loss"] == pytest.approx(out["none"]["val_loss"], rel=2e-3)
+    first = json.loads((tmp_path / "g-micro_batch" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["cuda_graph_capture_s"] > 0 and first["cuda_graph_warmup_s"] > 0
