@@ -646,6 +646,26 @@ def test_a_checkpoint_without_expert_parallelism_resumes_with_it(workdir, straig
     assert [got[s] for s in range(9, STEPS + 1)] == pytest.approx([want[s] for s in range(9, STEPS + 1)], abs=5e-5)
 
 
+def test_a_checkpoint_at_expert_parallel_4_resumes_at_2(workdir):
+    """EP=4 over 4 gloo ranks (2 experts each, micro-batch 2) for 8 steps, then --resume at EP=2
+    over 2 ranks (4 experts each: each rank's experts come from two of the four shards): all 16
+    losses are those of one process at micro-batch 2 (the aux loss is per micro-batch, so the
+    reference has the same micro-batches; fp32 tolerance), and the change is reported."""
+    mb2 = ["logging.wandb=false", "train.micro_batch_size=2"]
+    _run(_overrides(workdir, "mb2", *mb2))
+    args = _overrides(workdir, "ep4to2", *mb2, "model.moe.expert_parallel_size=4")
+    _run(args + ["train.exit_interval=8"], nproc=4, OMP_NUM_THREADS="1")
+    run_dir = workdir / "runs" / "ep4to2"
+    ckpt = latest_checkpoint(run_dir)
+    assert sorted(p.name for p in ckpt.glob("experts_ep*.pt")) == [f"experts_ep00{j}.pt" for j in range(4)]
+    out = _run(_overrides(workdir, "ep4to2", *mb2, "model.moe.expert_parallel_size=2") + ["--resume"],
+               nproc=2, OMP_NUM_THREADS="1")
+    assert "model.moe.expert_parallel_size: 4 -> 2" in out.stdout, out.stdout[-2000:]
+    want = [r["lm_loss"] for r in _metrics(workdir / "runs" / "mb2")]
+    got = [r["lm_loss"] for r in _metrics(run_dir)]
+    assert len(got) == STEPS and got == pytest.approx(want, abs=5e-5)
+
+
 def test_expert_parallel_size_must_divide_world(workdir):
     proc = _run(_overrides(workdir, "ep3", "logging.wandb=false", "model.moe.expert_parallel_size=4",
                            "train.exit_interval=1"), nproc=2, check=False, OMP_NUM_THREADS="1")
