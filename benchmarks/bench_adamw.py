@@ -6,7 +6,11 @@ shapes; a launch-shape sweep of the kernel; and the host time of each step call.
     python benchmarks/bench_adamw.py --layers 12 --out benchmarks/results/adamw.json
 
 Bytes per parameter: the fused step reads p, g, m, v (16) and writes p, m, v and the bf16 copy
-(14); the three passes move 8 + 28 + 6 = 42. GB/s is those bytes over the median GPU time.
+(14); the three passes move 8 + 28 + 6 = 42. With moments in bf16 (the kernel and the optimizer
+rows, ``train.adam_moments_dtype=bf16``) the fused step moves 22. GB/s is those bytes over the
+median GPU time.
+
+    python benchmarks/bench_adamw.py --blocks 1024 --warps 8   # fp32 and bf16 moments, one shape
 A device-to-device copy of a 2 GB tensor is timed beside them as the reachable bandwidth.
 """
 from __future__ import annotations
@@ -108,33 +112,40 @@ def main():
     ref = None  # free its state (m, v)
     torch.cuda.empty_cache()
 
-    # the kernel alone, each launch shape
-    ms_ = [torch.zeros_like(p) for p in masters]
-    vs_ = [torch.zeros_like(p) for p in masters]
+    # the kernel alone, each launch shape, with fp32 and with bf16 moments
     hyper = [hyperparameters(1e-4, 0.1, 0.9, 0.95, 1e-8, 10)] * len(masters)
-    best = None
-    for block in (int(b) for b in args.blocks.split(",")):
-        for warps in (int(w) for w in args.warps.split(",")):
-            if block // (32 * warps) < 4:
-                continue
-            bm = [None]
+    best = {}
+    for state_dtype, nbytes in ((torch.float32, 30), (torch.bfloat16, 22)):
+        ms_ = [torch.zeros_like(p, dtype=state_dtype) for p in masters]
+        vs_ = [torch.zeros_like(p, dtype=state_dtype) for p in masters]
+        tag = "bf16 moments" if state_dtype == torch.bfloat16 else "fp32 moments"
+        for block in (int(b) for b in args.blocks.split(",")):
+            for warps in (int(w) for w in args.warps.split(",")):
+                if block // (32 * warps) < 4:
+                    continue
+                bm = [None]
 
-            def fused(block=block, warps=warps, bm=bm):
-                bm[0] = adamw_step_(masters, grads, ms_, vs_, hyper, copies=copies, grad_scale=scale,
-                                    block_map=bm[0], block=block, num_warps=warps)
+                def fused(block=block, warps=warps, bm=bm, ms_=ms_, vs_=vs_):
+                    bm[0] = adamw_step_(masters, grads, ms_, vs_, hyper, copies=copies, grad_scale=scale,
+                                        block_map=bm[0], block=block, num_warps=warps)
 
-            t = _time(fused, args.reps)
-            report(f"fused kernel block {block} warps {warps}", t, 30)
-            if best is None or t < best[0]:
-                best = (t, block, warps)
-    ms_ = vs_ = None
-    torch.cuda.empty_cache()
-    # the optimizer object (default launch shape): GPU and host time per step
-    opt = AdamW([{"params": masters, "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
-    opt.set_copies(masters, copies)
-    step = lambda: opt.step(grad_scale=scale)  # noqa: E731
-    report("optim.AdamW.step (default shape)", _time(step, args.reps), 30, _host_ms(step, args.reps))
-    print(f"best launch shape: block {best[1]} warps {best[2]} ({best[0]:.3f} ms)")
+                t = _time(fused, args.reps)
+                report(f"fused kernel, {tag}, block {block} warps {warps}", t, nbytes)
+                if tag not in best or t < best[tag][0]:
+                    best[tag] = (t, block, warps)
+        ms_ = vs_ = None
+        torch.cuda.empty_cache()
+        # the optimizer object (default launch shape): GPU and host time per step
+        opt = AdamW([{"params": masters, "weight_decay": 0.1}], lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+                    state_dtype=state_dtype)
+        opt.set_copies(masters, copies)
+        step = lambda opt=opt: opt.step(grad_scale=scale)  # noqa: E731
+        report(f"optim.AdamW.step, {tag} (default shape)", _time(step, args.reps), nbytes,
+               _host_ms(step, args.reps))
+        opt = step = None
+        torch.cuda.empty_cache()
+    for tag, (t, block, warps) in best.items():
+        print(f"best launch shape, {tag}: block {block} warps {warps} ({t:.3f} ms)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -22,7 +22,9 @@ they do). What maps:
   ``--no-persist-layer-norm``, ``--no-masked-softmax-fusion``, ``--no-gradient-accumulation-fusion``).
 
 Not mapped (no Megatron-LM flag, or nothing to map): W&B (Megatron-LM's ``--wandb-project``),
-our fused optimizer and bf16-parameter options (Megatron-LM has its own), ``train.deterministic``
+our fused optimizer and bf16-parameter options (Megatron-LM has its own), ``train.adam_moments_dtype``
+(Megatron-LM's ``--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``
+needs Transformer Engine's FusedAdam), ``train.cuda_graphs``, ``train.deterministic``
 (``--deterministic-mode`` needs NCCL_ALGO set).
 """
 from __future__ import annotations

@@ -105,6 +105,104 @@ def test_kernel_equals_reference_and_checks_inputs():
                     grad_scale=torch.ones(2, device=DEVICE))
 
 
+def float64_adamw_bf16_moments(p, g, m, v, **kw):
+    """The float64 update from moments stored in bf16: the step uses the unrounded moments, the
+    stored ones are rounded to nearest (returns p, m, v with m and v rounded to bf16)."""
+    p, m, v = float64_adamw(p, g, m.double(), v.double(), **kw)
+    return p, m.to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+def _bf16_agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 tensors equal but for rare ties (at most 1% of the elements, one rounding step
+    apart): rounding to nearest from values a few fp32 ulps apart. Truncation would differ in
+    about half of them."""
+    got, want = got.cpu().float(), want.cpu().float()
+    assert (got != want).float().mean().item() <= 0.01 if got.numel() else True
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+
+
+def test_bf16_moments_match_float64_with_rounded_storage():
+    """Moments in bf16 over 3 steps (sizes as above, incl. a partial block and an empty one):
+    the masters within fp32 rounding of the float64 update that reads the bf16-stored moments,
+    the stored moments within one bf16 rounding step of its rounded ones (a float64 value near a
+    tie may round the other way from the kernel's fp32 value), and the kernel as close to its
+    reference (the CPU path, fp32 in another order)."""
+    gen = torch.Generator().manual_seed(11)
+    ps = [torch.randn(s, generator=gen) for s in SHAPES]
+    zeros = [torch.zeros(s, dtype=torch.bfloat16) for s in SHAPES]
+    dev = [[t.clone().to(DEVICE) for t in ts] for ts in (ps, zeros, zeros)]
+    ref = [[t.clone() for t in ts] for ts in (ps, zeros, zeros)]
+    for step, (lr, scale) in enumerate([(1e-2, 1.0), (3e-3, 0.25), (5e-4, 0.7)], start=1):
+        gs = [torch.randn(s, generator=gen) * 10 ** (k - 2) for k, s in enumerate(SHAPES)]
+        hyper = [hyperparameters(lr, 0.1, 0.9, 0.95, 1e-8, step)] * len(SHAPES)
+        # the float64 update starts from the kernel's stored values (a tie rounded the other
+        # way in an earlier step must not carry over into this step's comparison)
+        want = [float64_adamw_bf16_moments(p.cpu(), g, m.cpu(), v.cpu(), lr=lr, wd=0.1, beta1=0.9,
+                                           beta2=0.95, eps=1e-8, step=step, scale=scale)
+                for p, g, m, v in zip(dev[0], gs, dev[1], dev[2])]
+        adamw_step_(dev[0], [g.to(DEVICE) for g in gs], dev[1], dev[2], hyper,
+                    grad_scale=torch.tensor(scale, device=DEVICE))
+        adamw_step_reference(ref[0], gs, ref[1], ref[2], hyper, grad_scale=torch.tensor(scale))
+        for k, (p, m, v) in enumerate(want):
+            assert dev[1][k].dtype == dev[2][k].dtype == torch.bfloat16
+            torch.testing.assert_close(dev[0][k].cpu().double(), p, rtol=2e-6,
+                                       atol=1e-7 * (p.abs().max().item() if p.numel() else 1))
+            for got, r in ((dev[1][k], m), (dev[2][k], v), (dev[1][k], ref[1][k]), (dev[2][k], ref[2][k])):
+                assert r.dtype == torch.bfloat16
+                _bf16_agree(got, r)
+            torch.testing.assert_close(dev[0][k].cpu(), ref[0][k], rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_moments_refuse_mixed_dtypes():
+    p, g = torch.randn(8), torch.randn(8)
+    hyper = [hyperparameters(1e-3, 0.0, 0.9, 0.95, 1e-8, 1)] * 2
+    bf = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"exp_avg and exp_avg_sq contiguous torch.bfloat16 \(one dtype"):
+        adamw_step_([p, p.clone()], [g, g], [bf, torch.zeros(8)], [bf.clone(), torch.zeros(8)], hyper)
+    with pytest.raises(ValueError, match="the moments must be float32 or bfloat16"):
+        adamw_step_([p], [g], [torch.zeros(8, dtype=torch.float16)], [torch.zeros(8, dtype=torch.float16)],
+                    hyper[:1])
+
+
+def test_optimizer_with_bf16_moments_tracks_fp32_moments_and_moves_checkpoints():
+    """AdamW(state_dtype=bf16) against the fp32-moment optimizer over 20 steps of random
+    gradients (beta2 0.95): moments stored in bf16 (half the bytes), parameters within 1% of the
+    fp32 run's total movement. Checkpoints move both ways: fp32 moments load rounded into bf16,
+    bf16 ones load widened into fp32."""
+    bf_p, fp_p = _model_params(6), _model_params(6)
+    bf = AdamW(_groups(bf_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, state_dtype=torch.bfloat16)
+    fp = AdamW(_groups(fp_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    start = [p.detach().clone() for p in fp_p]
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(20):
+        for a, b in zip(bf_p, fp_p):
+            a.grad = torch.randn(a.shape, generator=gen).to(DEVICE) * (1 + torch.rand(a.shape, generator=gen).to(DEVICE))
+            b.grad = a.grad.clone()
+        bf.step()
+        fp.step()
+    for p in bf_p:
+        st = bf.state[p]
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+        assert st["exp_avg"].element_size() * st["exp_avg"].numel() == 2 * p.numel()
+    for a, b, s in zip(bf_p, fp_p, start):
+        moved = (b.detach() - s).norm()
+        assert (a.detach() - b.detach()).norm() < 0.01 * moved
+    # fp32 state into a bf16 optimizer, and bf16 state into an fp32 one
+    c_p, d_p = _model_params(6), _model_params(6)
+    c = AdamW(_groups(c_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, state_dtype=torch.bfloat16)
+    c.load_state_dict(copy.deepcopy(fp.state_dict()))
+    d = AdamW(_groups(d_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    d.load_state_dict(copy.deepcopy(bf.state_dict()))
+    for (pc, pf), (pd, pb) in zip(zip(c_p, fp_p), zip(d_p, bf_p)):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(c.state[pc][k], fp.state[pf][k].to(torch.bfloat16))
+            assert d.state[pd][k].dtype == torch.float32
+            assert torch.equal(d.state[pd][k], bf.state[pb][k].float())
+    with pytest.raises(ValueError, match="bf16 moments need fused_kernel=True"):
+        AdamW(_groups(_model_params(6)), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused_kernel=False,
+              state_dtype=torch.bfloat16)
+
+
 def _model_params(seed):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=gen).to(DEVICE).requires_grad_() for s in [(9, 5), (BLOCK + 3,), (5,)]]
