@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,10 @@ from megatron_moe.training.run_config import load_config
 from megatron_moe.training.distributed import set_deterministic
 from megatron_moe.training.train import main
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny-cpu.yaml"
+sys.path.insert(0, str(Path(__file__).parent))
+from _trainer import (REPO, TINY, read_metrics, run_trainer, tiny_args, tiny_workdir,  # noqa: E402
+                      trainer_cmd, trainer_env)
+
 STEPS = 16
 SAVE = 4
 
@@ -60,30 +63,8 @@ SAVE = 4
 # ----------------------------------------------------------------------------- helpers
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "WANDB_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE", "MEGATRON_MOE_DEBUG",
-                        "MEGATRON_MOE_CHECK_FINITE")}
-    env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true", OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _cmd(args: list[str], hooks: list[str] | None = None) -> list[str]:
-    """The trainer's CLI; with ``hooks`` (fault hook flags) through _hooked_train.py."""
-    if hooks:
-        return [sys.executable, str(Path(__file__).with_name("_hooked_train.py")), *hooks, "--", *args]
-    return [sys.executable, "-m", "megatron_moe.training", *args]
-
-
-def _run(args: list[str], *, check: bool = True, timeout: int = 300, hooks: list[str] | None = None,
-         **env) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(args, hooks), cwd=REPO, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-5000:]}")
-    return proc
+_run = partial(run_trainer, timeout=300, OMP_NUM_THREADS="1")  # every run on one thread
+_metrics = partial(read_metrics, tolerant=True)  # runs are watched while they write, and killed
 
 
 def _one_error_line(stderr: str, *needles: str) -> str:
@@ -97,19 +78,6 @@ def _one_error_line(stderr: str, *needles: str) -> str:
     return lines[0]
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line cut short by a kill
-            pass
-    return rows
-
-
 def _latest(run_dir: Path) -> str | None:
     p = run_dir / "checkpoints" / "latest"
     return p.read_text().strip() if p.exists() else None
@@ -118,20 +86,13 @@ def _latest(run_dir: Path) -> str | None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, small_corpus) -> Path:
     """A small corpus (stdlib sources, ~150 KB) and the directories the runs share."""
-    root = tmp_path_factory.mktemp("faults")
-    small_corpus(root / "corpus", total_chars=150_000, max_file_chars=40_000)
-    return root
+    return tiny_workdir(tmp_path_factory.mktemp("faults"), small_corpus, total_chars=150_000, max_file_chars=40_000)
 
 
 def _args(workdir: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", str(TINY), f"name={name}",
-            f"data.paths=[{workdir / 'corpus'}]", "data.tokenizer_vocab_size=512",
-            f"data.cache_dir={workdir / 'cache'}", "data.split='90,10,0'", "model.vocab_size=512",
-            "model.seq_length=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-            f"train.train_iters={STEPS}", "train.lr_warmup_iters=4", "train.lr=3e-3",
-            "train.min_lr=3e-4", "train.eval_interval=0", f"train.save_interval={SAVE}",
-            "train.log_interval=1", "train.deterministic=true", "logging.wandb=false",
-            f"logging.runs_dir={workdir / 'runs'}", *extra]
+    return tiny_args(workdir, name, f"train.train_iters={STEPS}", "train.lr_warmup_iters=4", "train.lr=3e-3",
+                     "train.min_lr=3e-4", "train.eval_interval=0", f"train.save_interval={SAVE}",
+                     "train.log_interval=1", "train.deterministic=true", "logging.wandb=false", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +215,7 @@ def test_check_finite_environment_variable_is_read_at_import():
                         ("0", "no error")):
         out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                              text=True, timeout=120,
-                             env=_env(MEGATRON_MOE_CHECK_FINITE=value)).stdout
+                             env=trainer_env(OMP_NUM_THREADS="1", MEGATRON_MOE_CHECK_FINITE=value)).stdout
         assert f"switch {value == '1'}" in out and want in out, out
 
 
@@ -348,8 +309,8 @@ def _tensors(obj, prefix="") -> dict:
 
 
 def _start(args: list[str], hooks: list[str] | None = None, **env) -> subprocess.Popen:
-    return subprocess.Popen(_cmd(args, hooks), cwd=REPO, env=_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(trainer_cmd(args, hooks), cwd=REPO, env=trainer_env(OMP_NUM_THREADS="1", **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(proc: subprocess.Popen, cond, timeout: float = 240.0) -> None:
@@ -462,9 +423,10 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(workdir)
     name = "sigusr1-2ranks"
     run_dir = workdir / "runs" / name
     port = str(free_port())
-    procs = [subprocess.Popen(_cmd(_args(workdir, name)), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+    procs = [subprocess.Popen(trainer_cmd(_args(workdir, name)), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=trainer_env(OMP_NUM_THREADS="1", RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(2)]
     _wait_for(procs[0], lambda: len(_metrics(run_dir)) >= 3)
     procs[1].send_signal(signal.SIGUSR1)

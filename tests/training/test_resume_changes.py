@@ -17,11 +17,9 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,8 +33,9 @@ from megatron_moe.training.checkpoint import (CheckpointError, ConfigChange, con
 from megatron_moe.training.optimizer import lr_at
 from megatron_moe.training.run_config import ConfigError, load_config
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny-cpu.yaml"
+sys.path.insert(0, str(Path(__file__).parent))
+from _trainer import TINY, read_metrics, run_trainer, tiny_args, tiny_workdir  # noqa: E402
+
 SHAPE_NOTE = "(the checkpoint's weights have the old shape; start a new run with another name=)"
 
 
@@ -130,37 +129,20 @@ def test_shape_changes_are_the_changes_of_the_weights(base, key, value):
 # ----------------------------------------------------------------------------- the trainer
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "WANDB_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE", "MEGATRON_MOE_DEBUG")}
-    env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true", OMP_NUM_THREADS="1")
-    return env
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_moe.training", *args], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+_run = partial(run_trainer, check=False, timeout=300, OMP_NUM_THREADS="1")  # the tests check the exit status
 
 
 def _args(workdir: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", str(TINY), f"name={name}", f"data.paths=[{workdir / 'corpus'}]",
-            "data.tokenizer_vocab_size=512", f"data.cache_dir={workdir / 'cache'}", "data.split='90,10,0'",
-            "model.vocab_size=512", "model.seq_length=64", "train.micro_batch_size=4",
-            "train.global_batch_size=8", "train.train_iters=8", "train.lr_warmup_iters=2", "train.lr=3e-3",
-            "train.min_lr=3e-4", "train.eval_interval=0", "train.save_interval=4", "train.log_interval=1",
-            "logging.wandb=false", f"logging.runs_dir={workdir / 'runs'}", *extra]
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return tiny_args(workdir, name, "train.train_iters=8", "train.lr_warmup_iters=2", "train.lr=3e-3",
+                     "train.min_lr=3e-4", "train.eval_interval=0", "train.save_interval=4", "train.log_interval=1",
+                     "logging.wandb=false", *extra)
 
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, small_corpus) -> tuple[Path, Path]:
     """(workdir, run directory) of a run stopped after 4 of 8 steps (a checkpoint at step 4)."""
-    workdir = tmp_path_factory.mktemp("resume")
-    small_corpus(workdir / "corpus", total_chars=150_000, max_file_chars=40_000)
+    workdir = tiny_workdir(tmp_path_factory.mktemp("resume"), small_corpus, total_chars=150_000,
+                           max_file_chars=40_000)
     proc = _run(_args(workdir, "base", "train.exit_interval=4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir, workdir / "runs" / "base"
@@ -206,7 +188,7 @@ def test_other_changes_apply_and_are_logged_with_the_first_step(stopped):
              "train.train_iters: 8 -> 6", "train.lr: 0.003 -> 0.001", "train.log_interval: 1 -> 2",
              "train.exit_interval: 4 -> null"}
     assert {ln.strip() for ln in out[at + 1:at + 1 + len(shown)]} == shown
-    rows = _rows(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[4]["config_changes"] == want
     assert all("config_changes" not in r for i, r in enumerate(rows) if i != 4)

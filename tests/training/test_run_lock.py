@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,9 @@ from megatron_moe.training.run_config import load_config
 from megatron_moe.training.run_lock import RunLock, RunLockError
 from megatron_moe.training.train import TrainError, pretrain
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny-cpu.yaml"
-HOOKED = Path(__file__).with_name("_hooked_train.py")
+sys.path.insert(0, str(Path(__file__).parent))
+from _trainer import REPO, TINY, run_trainer, tiny_args, tiny_workdir, trainer_cmd, trainer_env  # noqa: E402
+
 RUN_LOCK = REPO / "megatron_moe" / "training" / "run_lock.py"
 
 
@@ -235,39 +236,18 @@ def test_trainers_starting_at_once_one_gets_the_lock(tmp_path, abandoned):
 # ----------------------------------------------------------------------------- the trainer
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "WANDB_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE", "MEGATRON_MOE_DEBUG", "SLURM_JOB_ID")}
-    env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true", OMP_NUM_THREADS="1", **extra)
-    return env
+# every run through _hooked_train.py (no hooks unless given), on one thread; the tests check the exit status
+_run = partial(run_trainer, hooks=[], check=False, timeout=300, OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, small_corpus) -> Path:
-    root = tmp_path_factory.mktemp("lock")
-    small_corpus(root / "corpus", total_chars=150_000, max_file_chars=40_000)
-    return root
+    return tiny_workdir(tmp_path_factory.mktemp("lock"), small_corpus, total_chars=150_000, max_file_chars=40_000)
 
 
 def _args(workdir: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", str(TINY), f"name={name}", f"data.paths=[{workdir / 'corpus'}]",
-            "data.tokenizer_vocab_size=512", f"data.cache_dir={workdir / 'cache'}", "data.split='90,10,0'",
-            "model.vocab_size=512", "model.seq_length=64", "train.micro_batch_size=4",
-            "train.global_batch_size=8", "train.train_iters=4", "train.lr_warmup_iters=1",
-            "train.eval_interval=0", "train.save_interval=2", "train.log_interval=1", "logging.wandb=false",
-            f"logging.runs_dir={workdir / 'runs'}", *extra]
-
-
-def _cmd(args: list[str], hooks: list[str] | None = None, nproc: int | None = None) -> list[str]:
-    head = [sys.executable] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return head + [str(HOOKED), *(hooks or []), "--", *args]
-
-
-def _run(args: list[str], hooks: list[str] | None = None, nproc: int | None = None):
-    return subprocess.run(_cmd(args, hooks, nproc), cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    return tiny_args(workdir, name, "train.train_iters=4", "train.lr_warmup_iters=1", "train.eval_interval=0",
+                     "train.save_interval=2", "train.log_interval=1", "logging.wandb=false", *extra)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -280,8 +260,9 @@ def test_second_trainer_stops_then_a_killed_holders_lock_is_taken_over(workdir):
     line naming A, writing nothing. A is killed: its lock stays, and C's --resume takes it over
     (a note), resumes from step 2 and releases it at the end."""
     run_dir = workdir / "runs" / "held"
-    a = subprocess.Popen(_cmd(_args(workdir, "held"), ["--pause-save", "4:120"]), cwd=REPO, env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    a = subprocess.Popen(trainer_cmd(_args(workdir, "held"), ["--pause-save", "4:120"]), cwd=REPO,
+                         env=trainer_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
     try:
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / ".tmp-iter_0000004").exists():
@@ -341,7 +322,7 @@ def test_out_of_memory_in_a_step_is_one_line_exit_1(workdir):
     """Through the CLI: the allocator's error in step 2 (the fault hook) ends the run with exit
     status 1 and one line; step 1 is logged, the lock is released."""
     run_dir = workdir / "runs" / "oom-cli"
-    proc = _run(_args(workdir, "oom-cli"), ["--oom-at-step", "2"])
+    proc = _run(_args(workdir, "oom-cli"), hooks=["--oom-at-step", "2"])
     assert proc.returncode == 1
     [line] = _error_lines(proc.stderr)
     assert line == (f"megatron-moe-train: error: {_oom_line('after step 1')} "

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -32,9 +32,9 @@ from megatron_moe.training.data import MicroBatchSampler
 from megatron_moe.training.optimizer import build_optimizer, lr_at
 from megatron_moe.training.train import TrainError, pretrain
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny-cpu.yaml"
-HOOKED = Path(__file__).with_name("_hooked_train.py")
+sys.path.insert(0, str(Path(__file__).parent))
+from _trainer import REPO, TINY, read_metrics, run_trainer, tiny_args, tiny_workdir, trainer_env  # noqa: E402
+
 STEPS = 16  # straight run; the resume test runs 8 + 8
 EVAL_EVERY = 8
 
@@ -42,53 +42,19 @@ EVAL_EVERY = 8
 # ----------------------------------------------------------------------------- helpers
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "WANDB_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE")}
-    env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true", **extra)
-    return env
-
-
-def _run(args: list[str], *, nproc: int | None = None, check: bool = True, timeout: int = 400,
-         hooks: list[str] | None = None, **env) -> subprocess.CompletedProcess:
-    """The trainer as a user runs it (``python -m megatron_moe.training``, or under torchrun with
-    ``nproc``); with ``hooks`` (e.g. ["--bf16-on-cpu"]) through _hooked_train.py."""
-    prog = ["-m", "megatron_moe.training"] if hooks is None else [str(HOOKED), *hooks, "--"]
-    if nproc is None:
-        cmd = [sys.executable, *prog, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", *prog, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+_run = partial(run_trainer, timeout=400)  # the torchrun runs pass OMP_NUM_THREADS="1" themselves
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, small_corpus) -> Path:
     """A small corpus (stdlib sources, ~300 KB) and the directories the runs share."""
-    root = tmp_path_factory.mktemp("train")
-    small_corpus(root / "corpus", total_chars=300_000, max_file_chars=60_000)
-    return root
+    return tiny_workdir(tmp_path_factory.mktemp("train"), small_corpus, total_chars=300_000, max_file_chars=60_000)
 
 
 def _overrides(workdir: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", str(TINY), f"name={name}",
-            f"data.paths=[{workdir / 'corpus'}]", "data.tokenizer_vocab_size=512",
-            f"data.cache_dir={workdir / 'cache'}", "data.split='90,10,0'", "model.vocab_size=512",
-            "model.seq_length=64",
-            "train.micro_batch_size=4", "train.global_batch_size=8", f"train.train_iters={STEPS}",
-            "train.lr_warmup_iters=4", "train.lr=3e-3", "train.min_lr=3e-4",
-            f"train.eval_interval={EVAL_EVERY}", "train.eval_iters=2", "train.save_interval=8",
-            "train.log_interval=4", f"logging.runs_dir={workdir / 'runs'}", *extra]
+    return tiny_args(workdir, name, f"train.train_iters={STEPS}", "train.lr_warmup_iters=4", "train.lr=3e-3",
+                     "train.min_lr=3e-4", f"train.eval_interval={EVAL_EVERY}", "train.eval_iters=2",
+                     "train.save_interval=8", "train.log_interval=4", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +68,16 @@ def straight(workdir) -> Path:
 
 
 def test_loss_falls(straight):
-    losses = [r["lm_loss"] for r in _metrics(straight)]
+    losses = [r["lm_loss"] for r in read_metrics(straight)]
     assert len(losses) == STEPS
     assert losses[0] > math.log(512) - 0.5  # starts near uniform over the vocabulary
     assert sum(losses[-4:]) / 4 < losses[0] - 0.7, losses  # measured: 6.24 -> 5.1
-    vals = [r["val_loss"] for r in _metrics(straight) if "val_loss" in r]
+    vals = [r["val_loss"] for r in read_metrics(straight) if "val_loss" in r]
     assert len(vals) == STEPS // EVAL_EVERY and vals[-1] < vals[0]
 
 
 def test_metrics_jsonl_has_every_key(straight):
-    rows = _metrics(straight)
+    rows = read_metrics(straight)
     cfg = load_config(straight / "config.yaml")
     every = {"step", "consumed_samples", "tokens", "lm_loss", "aux_loss", "z_loss", "lr",
              "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s", "peak_mem_gb"}
@@ -138,7 +104,7 @@ def test_metrics_jsonl_has_every_key(straight):
 
 def test_first_row_reports_the_training_data(straight):
     cfg = load_config(straight / "config.yaml")
-    first = _metrics(straight)[0]
+    first = read_metrics(straight)[0]
     # the train split's tokens (split_tokens is checked against the tokenizer in test_data.py)
     train_ds = build_datasets(cfg.data, prepare_data(cfg.data), seq_length=cfg.model.seq_length,
                               seed=cfg.train.seed, num_samples=(8, 1, 1),
@@ -177,16 +143,16 @@ def test_resume_matches_straight(workdir, straight):
     args = _overrides(workdir, "resumed", "logging.wandb=false")
     first = _run(args + ["train.exit_interval=8"])
     run_dir = workdir / "runs" / "resumed"
-    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, 9))
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 9))
     assert "continue with --resume" in first.stdout
     second = _run(args + ["--resume"])
     assert "resumed from" in second.stdout
-    got = [r["lm_loss"] for r in _metrics(run_dir)]
-    want = [r["lm_loss"] for r in _metrics(straight)]
+    got = [r["lm_loss"] for r in read_metrics(run_dir)]
+    want = [r["lm_loss"] for r in read_metrics(straight)]
     assert len(got) == STEPS
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
-    got_val = [r["val_loss"] for r in _metrics(run_dir) if "val_loss" in r]
-    want_val = [r["val_loss"] for r in _metrics(straight) if "val_loss" in r]
+    got_val = [r["val_loss"] for r in read_metrics(run_dir) if "val_loss" in r]
+    want_val = [r["val_loss"] for r in read_metrics(straight) if "val_loss" in r]
     assert got_val == pytest.approx(want_val, abs=1e-6)
     # the final weights agree too
     a = torch.load(latest_checkpoint(run_dir) / "model.pt", weights_only=True)
@@ -200,8 +166,8 @@ def test_data_parallel_two_ranks_matches_one(workdir, straight):
     """torchrun 2 CPU ranks (gloo): same global batch, same losses as one process."""
     _run(_overrides(workdir, "dp2", "logging.wandb=false", "train.exit_interval=4"),
          nproc=2, OMP_NUM_THREADS="1")
-    got = [r["lm_loss"] for r in _metrics(workdir / "runs" / "dp2")]
-    want = [r["lm_loss"] for r in _metrics(straight)][:4]
+    got = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "dp2")]
+    want = [r["lm_loss"] for r in read_metrics(straight)][:4]
     assert got == pytest.approx(want, abs=2e-5)
 
 
@@ -218,7 +184,7 @@ def test_overlap_grad_reduce_matches_plain(workdir, ep, bf16):
                               f"model.moe.expert_parallel_size={ep}", f"train.overlap_grad_reduce={overlap}"),
                    nproc=2, OMP_NUM_THREADS="1", hooks=hooks)
         assert ("bf16 params (fp32 masters)" in out.stdout) == bf16
-        losses[overlap] = [r["lm_loss"] for r in _metrics(workdir / "runs" / name)]
+        losses[overlap] = [r["lm_loss"] for r in read_metrics(workdir / "runs" / name)]
     assert len(losses["true"]) == 4 and losses["true"] == pytest.approx(losses["false"], abs=1e-6)
 
 
@@ -233,30 +199,30 @@ def test_bf16_params_resume_is_exact_and_tracks_fp32(workdir, straight):
     args = _overrides(workdir, "bf16-resumed", "logging.wandb=false")
     _run(args + ["train.exit_interval=8"], **env)
     _run(args + ["--resume"], **env)
-    want = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-straight")]
-    got = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-resumed")]
+    want = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "bf16-straight")]
+    got = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "bf16-resumed")]
     assert len(got) == STEPS and got == want
     state = torch.load(latest_checkpoint(workdir / "runs" / "bf16-straight") / "model.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
-    fp32 = [r["lm_loss"] for r in _metrics(straight)]
+    fp32 = [r["lm_loss"] for r in read_metrics(straight)]
     assert max(abs(a - b) for a, b in zip(want, fp32)) < 0.05, (want, fp32)
     assert want != fp32  # it really ran in bf16
     # the experts' gradients through a bf16 tensor and a separate add (no fusion): same model
     _run(_overrides(workdir, "bf16-unfused", "logging.wandb=false", "train.grad_accumulation_fusion=false",
                     "train.exit_interval=4"), **env)
-    unfused = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-unfused")]
+    unfused = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "bf16-unfused")]
     assert len(unfused) == 4 and max(abs(a - b) for a, b in zip(unfused, want)) < 0.02, (unfused, want)
     out = _run(_overrides(workdir, "bf16-autocast", "logging.wandb=false", "train.bf16_params=false",
                           "train.exit_interval=4"), **env)
     assert "bf16 autocast" in out.stdout
-    auto = [r["lm_loss"] for r in _metrics(workdir / "runs" / "bf16-autocast")]
+    auto = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "bf16-autocast")]
     assert max(abs(a - b) for a, b in zip(auto, fp32)) < 0.05 and auto != fp32[:4]
 
 
 def test_capacity_model_logs_dropped_fraction(workdir, straight):
     _run(_overrides(workdir, "capacity", "logging.wandb=false", "train.exit_interval=2",
                     "model.moe.mlp_impl=capacity", "model.moe.capacity_factor=1.0"))
-    rows = _metrics(workdir / "runs" / "capacity")
+    rows = read_metrics(workdir / "runs" / "capacity")
     assert len(rows) == 2
     for r in rows:
         per_layer = [r["dropped_fraction/layer1"], r["dropped_fraction/layer2"]]
@@ -287,9 +253,9 @@ def test_one_expert_trains_as_the_dense_mlp(workdir, impl, bf16):
         hooks = ["--bf16-on-cpu"] if bf16 else []
         proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_one_expert_worker.py")), mode,
                                str(init), *hooks, "--", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=400, env=_env())
+                              timeout=400, env=trainer_env())
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        logs[mode] = _metrics(workdir / "runs" / name)
+        logs[mode] = read_metrics(workdir / "runs" / name)
     dense, moe = logs["dense"], logs["moe"]
     assert len(dense) == len(moe) == 6
     assert dense[0]["grad_norm"] > 1.0  # clipping is exercised
@@ -303,7 +269,7 @@ def test_one_expert_trains_as_the_dense_mlp(workdir, impl, bf16):
 
 def test_pretrain_script_launches_torchrun(workdir):
     proc = subprocess.run(["bash", str(REPO / "scripts" / "pretrain.sh"), str(TINY),
-                           "--print-config", "train.seed=5"], cwd=REPO, env=_env(NPROC="1"),
+                           "--print-config", "train.seed=5"], cwd=REPO, env=trainer_env(NPROC="1"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "seed: 5" in proc.stdout
@@ -406,6 +372,7 @@ def test_optimizer_no_decay_on_biases_and_norms():
 
     class TC:
         lr, weight_decay, adam_beta1, adam_beta2, adam_eps, fused_optimizer = 1e-3, 0.1, 0.9, 0.95, 1e-8, True
+        adam_moments_dtype = "fp32"
 
     opt = build_optimizer(m, TC)
     decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
@@ -550,7 +517,7 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, where):
     m, opt = _model_and_opt(0)
     save_checkpoint(tmp_path, 1, m, opt, {"consumed_samples": 8})
     saved = {k: v.clone() for k, v in m.state_dict().items()}
-    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path), where], env=_env(),
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path), where], env=trainer_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 9, proc.stderr
     root = tmp_path / "checkpoints"
@@ -614,17 +581,17 @@ def test_expert_parallel_training_matches_and_reshards(workdir, straight):
     shutil.copytree(run_dir, workdir / "runs" / "ep2to1")
 
     _run(args + ["--resume"], nproc=2, OMP_NUM_THREADS="1")
-    want = [r["lm_loss"] for r in _metrics(straight)]
-    got = [r["lm_loss"] for r in _metrics(run_dir)]
+    want = [r["lm_loss"] for r in read_metrics(straight)]
+    got = [r["lm_loss"] for r in read_metrics(run_dir)]
     assert len(got) == STEPS and got == pytest.approx(want, abs=5e-5)
-    imb = [r["expert_load/ep_rank_imbalance"] for r in _metrics(run_dir)]  # 1 (balanced) to 2 (one rank)
+    imb = [r["expert_load/ep_rank_imbalance"] for r in read_metrics(run_dir)]  # 1 (balanced) to 2 (one rank)
     assert len(imb) == STEPS and all(1.0 <= v <= 2.0 for v in imb)
-    assert not any("ep_rank_imbalance" in k for r in _metrics(straight) for k in r)
+    assert not any("ep_rank_imbalance" in k for r in read_metrics(straight) for k in r)
 
     to1 = _overrides(workdir, "ep2to1", "logging.wandb=false", "model.moe.expert_parallel_size=1")
     out = _run(to1 + ["--resume"])
     assert "resumed from" in out.stdout
-    got1 = [r["lm_loss"] for r in _metrics(workdir / "runs" / "ep2to1")]
+    got1 = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "ep2to1")]
     assert len(got1) == STEPS and got1 == pytest.approx(want, abs=5e-5)
 
 
@@ -640,8 +607,8 @@ def test_a_checkpoint_without_expert_parallelism_resumes_with_it(workdir, straig
     args = _overrides(workdir, "ep1to2", "logging.wandb=false", "model.moe.expert_parallel_size=2")
     out = _run(args + ["--resume"], nproc=2, OMP_NUM_THREADS="1")
     assert "model.moe.expert_parallel_size: 1 -> 2" in out.stdout, out.stdout[-2000:]
-    want = {r["step"]: r["lm_loss"] for r in _metrics(straight)}
-    got = {r["step"]: r["lm_loss"] for r in _metrics(run_dir)}
+    want = {r["step"]: r["lm_loss"] for r in read_metrics(straight)}
+    got = {r["step"]: r["lm_loss"] for r in read_metrics(run_dir)}
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(9, STEPS + 1)] == pytest.approx([want[s] for s in range(9, STEPS + 1)], abs=5e-5)
 
@@ -661,8 +628,8 @@ def test_a_checkpoint_at_expert_parallel_4_resumes_at_2(workdir):
     out = _run(_overrides(workdir, "ep4to2", *mb2, "model.moe.expert_parallel_size=2") + ["--resume"],
                nproc=2, OMP_NUM_THREADS="1")
     assert "model.moe.expert_parallel_size: 4 -> 2" in out.stdout, out.stdout[-2000:]
-    want = [r["lm_loss"] for r in _metrics(workdir / "runs" / "mb2")]
-    got = [r["lm_loss"] for r in _metrics(run_dir)]
+    want = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "mb2")]
+    got = [r["lm_loss"] for r in read_metrics(run_dir)]
     assert len(got) == STEPS and got == pytest.approx(want, abs=5e-5)
 
 
@@ -678,7 +645,7 @@ def test_save_final_false_writes_no_checkpoint(workdir):
                           "train.lr_warmup_iters=1", "train.save_interval=0", "train.save_final=false",
                           "train.eval_interval=0"))
     run_dir = workdir / "runs" / "nosave"
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
     assert latest_checkpoint(run_dir) is None and "saved checkpoint" not in run.stdout
 
 
@@ -704,7 +671,7 @@ def test_cuda_graph_bookkeeping_keeps_every_loss(workdir, straight):
     eager straight run, every digit; the capture is reported once, in the first row."""
     _run(_overrides(workdir, "graphed", "logging.wandb=false", "train.cuda_graphs=micro_batch"),
          hooks=["--cuda-graphs-on-cpu"])
-    got, want = _metrics(workdir / "runs" / "graphed"), _metrics(straight)
+    got, want = read_metrics(workdir / "runs" / "graphed"), read_metrics(straight)
     for key in ("lm_loss", "grad_norm", "aux_loss", "z_loss", "val_loss"):
         assert [r.get(key) for r in got] == [r.get(key) for r in want], key
     assert [("cuda_graph_capture_s" in r) for r in got] == [True] + [False] * (STEPS - 1)
@@ -724,6 +691,29 @@ def test_cuda_graph_bookkeeping_with_bf16_params(workdir, name, extra):
                           "train.lr_warmup_iters=2", "train.save_final=false",
                           f"train.cuda_graphs={mode}", *extra)
         _run(args, hooks=["--bf16-on-cpu", "--cuda-graphs-on-cpu"])
-        rows[mode] = _metrics(workdir / "runs" / f"{name}-{mode}")
+        rows[mode] = read_metrics(workdir / "runs" / f"{name}-{mode}")
     for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/layer1/max_share"):
         assert [r[key] for r in rows["micro_batch"]] == [r[key] for r in rows["none"]], key
+
+
+# ----------------------------------------------------------------------------- bf16 moments
+
+
+def test_bf16_moments_train_and_resume_with_fp32_moments(workdir, straight):
+    """train.adam_moments_dtype=bf16 (the fused update's reference here, a CPU without Triton):
+    8 steps whose losses stay close to the fp32-moment straight run's, a checkpoint holding bf16
+    moments (half their bytes), then --resume with fp32 moments (cast on load, the change
+    reported) for the other 8 steps, still close to the straight run."""
+    args = _overrides(workdir, "bf16m", "logging.wandb=false")
+    _run(args + ["train.adam_moments_dtype=bf16", "train.exit_interval=8"])
+    run_dir = workdir / "runs" / "bf16m"
+    opt = torch.load(latest_checkpoint(run_dir) / "optimizer.pt", weights_only=True)
+    moments = [t for st in opt["state"].values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(t.dtype == torch.bfloat16 for t in moments)
+    out = _run(args + ["train.adam_moments_dtype=fp32", "--resume"])
+    assert "train.adam_moments_dtype: bf16 -> fp32" in out.stdout, out.stdout[-2000:]
+    got = [r["lm_loss"] for r in read_metrics(run_dir)]
+    want = [r["lm_loss"] for r in read_metrics(straight)]
+    assert len(got) == STEPS and got[0] == want[0]  # the first step's loss precedes any update
+    assert got == pytest.approx(want, rel=2e-3), (got, want)  # measured: at most 1.1e-4 apart
+    assert got != want  # the moments were rounded: not the fp32 run by accident
