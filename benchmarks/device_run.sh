@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
-#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [quick]
+#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [quick]
 # TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
-# TRAIN_CONFIGS / TRAIN_OVERRIDES ('train') narrow a stage.
+# TRAIN_CONFIGS / TRAIN_OVERRIDES ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step') narrow a stage.
 # Set-up (optional wheels from .whl/, the kernels mapping): benchmarks/device_env.sh.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -41,5 +41,14 @@ if [[ $stages == *" train "* ]]; then
     cp /tmp/runs/$cfg/metrics.jsonl "$OUT/metrics_$cfg.jsonl" 2>/dev/null
     summary+=("train $cfg: $(python3 -c "import json,statistics as s;r=[json.loads(l) for l in open('/tmp/runs/$cfg/metrics.jsonl')];t=[x for x in r if x.get('tokens_per_s')][len(r)//10:];print('loss %.3f->%.3f val %s tok/s %.0f TFLOP/s %.1f MFU %s mem %.1fGB'%(r[0]['lm_loss'],r[-1]['lm_loss'],[x['val_loss'] for x in r if 'val_loss' in x][-1:],s.median(x['tokens_per_s'] for x in t),s.median(x['tflops_per_gpu'] for x in t),s.median(x['mfu'] for x in t),max(x['peak_mem_gb'] for x in t)))" 2>&1 | tail -1)")
   done
+fi
+if [[ $stages == *" step "* ]]; then
+  # the training step, eager against CUDA graphs and bf16 moments (issue #33): global batch 64 x 1024,
+  # micro-batch 32, medians of steps 21-40 (benchmarks/train_ab.sh; its table is printed last)
+  OUT="$OUT/step" MB=32 GB=64 STEPS=40 MEASURE_FROM=20 PROFILE_STEP=30 RUNS="${STEP_RUNS:-gpt-xs:gpt-xs \
+    gpt-xs-graph:gpt-xs:train.cuda_graphs=micro_batch dmoe-xs:dmoe-xs \
+    dmoe-xs-graph:dmoe-xs:train.cuda_graphs=micro_batch dmoe-xs-bf16m:dmoe-xs:train.adam_moments_dtype=bf16}" \
+    bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/step.log" | tail -n 12
+  summary+=("step:" "$(cat "$OUT/step/train_ab.txt" 2>/dev/null)")
 fi
 printf '%s\n' "${summary[@]}"

@@ -9,7 +9,8 @@
 # STEPS (default 8), MB (micro-batch, default 64), GB (global batch, default MB), PROFILE_STEP
 # (default 6; "mb=N" in a run's overrides sets its own micro-batch; an upper-case NAME=VALUE there
 # is an environment variable of that run, e.g. MEGATRON_MOE_TMA_ADD=0);
-# medians over the steps after MEASURE_FROM (default 3). Everything lands in $OUT/train_ab.tgz
+# medians over the steps after MEASURE_FROM (default 3); 'step1 s' is the first step's time
+# (autotuning, CUDA-graph capture). Everything lands in $OUT/train_ab.tgz
 # (logs, metrics.jsonl, profile tables) and $OUT/train_ab.txt (the table).
 set -uo pipefail
 OUT=${OUT:-$PWD/train_ab_out}; mkdir -p "$OUT"
@@ -37,14 +38,14 @@ done
 python3 - "$W" "$MEASURE_FROM" "$PROFILE_STEP" <<'EOF' | tee "$W/train_ab.txt"
 import glob, json, os, statistics as st, sys
 w, first, prof = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-print(f"{'run':<28} {'tok/s':>9} {'s/step':>7} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'loss@1':>7} {'loss@end':>8}")
+print(f"{'run':<28} {'tok/s':>9} {'s/step':>7} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'loss@1':>7} {'loss@end':>8} {'step1 s':>8}")
 for p in sorted(glob.glob(os.path.join(w, "*.jsonl"))):
     r = [json.loads(l) for l in open(p)]
     t = [x for x in r if x["step"] > first and x["step"] != prof]  # the profiled step runs slower or r
     print(f"{os.path.basename(p)[:-6]:<28} {st.median(x['tokens_per_s'] for x in t):>9,.0f} "
           f"{st.median(x['step_time_s'] for x in t):>7.3f} {st.median(x['tflops_per_gpu'] for x in t):>8.1f} "
           f"{100 * st.median(x['mfu'] for x in t):>5.1f}% {max(x['peak_mem_gb'] for x in r):>7.1f} "
-          f"{r[0]['lm_loss']:>7.4f} {r[-1]['lm_loss']:>8.4f}")
+          f"{r[0]['lm_loss']:>7.4f} {r[-1]['lm_loss']:>8.4f} {r[0]['step_time_s']:>8.1f}")
 EOF
 cp "$W/train_ab.txt" "$OUT/"
 tar czf "$OUT/train_ab.tgz" -C "$W" .
