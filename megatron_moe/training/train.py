@@ -30,7 +30,9 @@ A run, in the order this file reads:
     micro-batches (LM loss scaled by 1/num_micro, the aux losses too via
     ``set_aux_loss_scale``), the bucketed all-reduce, the global gradient norm, then one host
     read of the step's statistics; if loss and norm are finite, AdamW (clipping scale, update
-    and bf16 copies in one pass) and ``update_expert_biases``.
+    and bf16 copies in one pass) and ``update_expert_biases``. With ``train.cuda_graphs`` each
+    micro-batch's forward and backward replays from a CUDA graph captured at the first step
+    (cuda_graphs.py).
   * ``step_metrics``: tokens/s, TFLOP/s per GPU, MFU, expert load; ``evaluate`` every
     ``train.eval_interval`` steps and at the last (the same validation sequences each time);
     ``save`` every ``train.save_interval`` steps, at ``train.exit_interval`` and at the end.
