@@ -15,6 +15,8 @@ no dropout):
                --moe-router-pre-softmax --moe-aux-loss-coeff ...), --save at the middle step
   resume       the dmoe run again from its middle checkpoint (--load): its losses against the
                straight run's
+  dmoe-gaf     the dmoe run with Megatron's --gradient-accumulation-fusion (its default; without
+               Apex through megatron_moe/megatron/grad_accum.py): its losses against dmoe's
   dmoe-distopt the dmoe run with --use-distributed-optimizer: its losses against dmoe's
   dmoe-det, resume-det   dmoe and resume with --deterministic-mode (NCCL_ALGO=Ring,
                CUBLAS_WORKSPACE_CONFIG=:4096:8): the resumed losses equal the straight run's
@@ -64,10 +66,12 @@ ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration 
 
 
 def megatron_lm(name: str, out: Path, mlm: Path, extra: list[str], env: dict | None = None,
-                timeout: int = 900) -> dict:
-    """One pretrain_gpt.py run; its per-iteration times, TFLOP/s and losses."""
+                timeout: int = 900, drop: tuple[str, ...] = ()) -> dict:
+    """One pretrain_gpt.py run; its per-iteration times, TFLOP/s and losses (``drop``: flags of
+    TRAIN left out)."""
+    train = [a for a in TRAIN if a not in drop]
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", str(Path(__file__).with_name("_mlm_launch.py")),
-           str(mlm / "pretrain_gpt.py"), *MODEL, *TRAIN, *extra]
+           str(mlm / "pretrain_gpt.py"), *MODEL, *train, *extra]
     log = out / f"mlm_{name}.log"
     t0 = time.time()
     with open(log, "w") as f:
@@ -191,6 +195,9 @@ def main() -> int:
     if "dmoe-distopt" in stages:
         record(against(megatron_lm("dmoe-distopt", out, mlm, SPEC + MOE_FLAGS + ["--use-distributed-optimizer"]),
                        "dmoe"))
+    if "dmoe-gaf" in stages:  # Megatron's --gradient-accumulation-fusion, through our stand-in for Apex's
+        record(against(megatron_lm("dmoe-gaf", out, mlm, SPEC + MOE_FLAGS,
+                                   drop=("--no-gradient-accumulation-fusion",)), "dmoe"))
     if "mcore-moe" in stages:
         record(megatron_lm("mcore-moe", out, mlm, MOE_FLAGS + ["--no-bias-gelu-fusion"]))
     if "ours" in stages:

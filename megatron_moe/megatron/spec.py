@@ -32,7 +32,11 @@ by Megatron's own MoE flags (flags.py maps them onto our layer)::
     torchrun --nproc-per-node 8 pretrain_gpt.py --spec megatron_moe.megatron.spec layer_spec \\
         --num-experts 64 --moe-router-topk 1 --moe-router-pre-softmax --moe-aux-loss-coeff 0.0166667 \\
         --transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion \\
-        --no-gradient-accumulation-fusion --num-layers 6 --hidden-size 512 ...
+        --num-layers 6 --hidden-size 512 ...
+
+Megatron's ``--gradient-accumulation-fusion`` (on by default) works without Apex: importing this
+module gives megatron-core's linear layers a stand-in for Apex's extension, and our experts add
+their weight gradients straight into Megatron's fp32 ``main_grad`` buffers (grad_accum.py).
 
 Our settings that Megatron has no flag for (``mlp_impl``, ``block_size``, ...) come from
 ``MEGATRON_MOE_CONFIG`` (a run config of this project, by path or shipped name: its ``model:``
@@ -76,12 +80,16 @@ from megatron_moe.parallel import init_parallel_groups
 from .attention import SDPAttention
 from .aux_loss import AuxLossToGrad, get_aux_loss_scale, log_aux_losses, set_aux_loss_scale
 from .flags import resolve_model_config
+from .grad_accum import attach_main_grad_sinks, install_wgrad_accumulation
 from .model_config import ModelConfig
 from .yaml_config import ConfigError, apply_overrides, build_dataclass, find_config, read_config_file
 
 __all__ = ["moe_layer_spec", "layer_spec", "DenseOrMoEMLP", "AuxLossToGrad", "ColumnLinear", "RowLinear",
            "set_aux_loss_scale", "get_aux_loss_scale", "model_config_from_env", "gelu_tanh",
            "use_plain_linear"]
+
+# Megatron-LM's --gradient-accumulation-fusion (its default) without Apex: grad_accum.py
+install_wgrad_accumulation()
 
 ENV_CONFIG = "MEGATRON_MOE_CONFIG"
 ENV_OVERRIDES = "MEGATRON_MOE_OVERRIDES"
@@ -278,6 +286,9 @@ class DenseOrMoEMLP(MegatronModule):
             if bias is not None:
                 out = out + bias
             return out, None
+        if self.config.gradient_accumulation_fusion and self.training:
+            # the experts' weight gradients go straight into Megatron's main_grad (grad_accum.py)
+            attach_main_grad_sinks(self.moe.experts.parameters())
         out = self.moe(hidden_states)
         aux = self.moe.aux_loss
         if torch.is_grad_enabled() and aux is not None and aux.requires_grad:

@@ -9,7 +9,12 @@ with :func:`fp32_grad_of` and, when there is one, accumulates its fp32 result in
     sink = fp32_grad_of(w)            # None: return the gradient to autograd as usual
     out, accumulate = sink.buffer()   # master.grad (new and unset on the first micro-batch)
     kernel(..., out=out, accumulate=accumulate)
-    sink.done()                       # the readiness call; the Function returns None for w
+    sink.done()                       # the readiness call
+    return sink.autograd_grad(out, w.dtype)   # what the Function returns for w: None here
+
+Megatron-LM's fp32 ``main_grad`` buffers are such a master gradient too
+(megatron_moe/megatron/grad_accum.py): there the Function returns an unread placeholder, as
+megatron-core's own fused linear layers do, so that Megatron's per-parameter hooks still run.
 
 This module is the whole contract between the ops and whoever owns the masters.
 """
@@ -51,6 +56,11 @@ class MasterGrad:
     def done(self) -> None:
         if self.on_ready is not None:
             self.on_ready(self.master)
+
+    def autograd_grad(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """What the op returns to autograd for the copy once its gradient is in ``out``: None
+        (no gradient for the copy)."""
+        return None
 
 
 def attach_master_grad(copy: torch.Tensor, sink: MasterGrad) -> None:

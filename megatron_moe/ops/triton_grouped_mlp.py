@@ -39,14 +39,14 @@ from .master_grad import fp32_grad_of
 
 def _weight_grad(sink, dtype, a_MK, b_MN, offsets_E1, **kw):
     """grouped_wgrad for one weight: a new tensor in its dtype, or, when the weight is a bf16
-    compute copy with a master gradient (``sink``, master_grad.MasterGrad), None after adding it in
-    fp32 into that gradient."""
+    compute copy with a master gradient (``sink``, master_grad.MasterGrad), what the sink gives
+    autograd (None; a placeholder under Megatron-LM) after adding it in fp32 into that gradient."""
     if sink is None:
         return grouped_wgrad(a_MK, b_MN, offsets_E1, out_dtype=dtype, **kw)
     out, accumulate = sink.buffer()
     grouped_wgrad(a_MK, b_MN, offsets_E1, out=out, accumulate=accumulate, **kw)
     sink.done()
-    return None
+    return sink.autograd_grad(out, dtype)
 
 
 def release(t: torch.Tensor) -> None:
