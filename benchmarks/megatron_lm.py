@@ -17,6 +17,8 @@ no dropout):
                straight run's
   dmoe-gaf     the dmoe run with Megatron's --gradient-accumulation-fusion (its default; without
                Apex through megatron_moe/megatron/grad_accum.py): its losses against dmoe's
+  dmoe-cefusion the dmoe run with Megatron's own fused cross-entropy (--cross-entropy-loss-fusion
+               --cross-entropy-fusion-impl native; ours is not pluggable into its GPTModel)
   dmoe-distopt the dmoe run with --use-distributed-optimizer: its losses against dmoe's
   dmoe-det, resume-det   dmoe and resume with --deterministic-mode (NCCL_ALGO=Ring,
                CUBLAS_WORKSPACE_CONFIG=:4096:8): the resumed losses equal the straight run's
@@ -198,6 +200,10 @@ def main() -> int:
     if "dmoe-gaf" in stages:  # Megatron's --gradient-accumulation-fusion, through our stand-in for Apex's
         record(against(megatron_lm("dmoe-gaf", out, mlm, SPEC + MOE_FLAGS,
                                    drop=("--no-gradient-accumulation-fusion",)), "dmoe"))
+    if "dmoe-cefusion" in stages:  # Megatron's own fused cross-entropy (its native impl, no TE): our
+        # fused loss cannot be plugged into Megatron-LM's GPTModel without patching it
+        record(against(megatron_lm("dmoe-cefusion", out, mlm, SPEC + MOE_FLAGS + [
+            "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]), "dmoe"))
     if "mcore-moe" in stages:
         record(megatron_lm("mcore-moe", out, mlm, MOE_FLAGS + ["--no-bias-gelu-fusion"]))
     if "ours" in stages:
