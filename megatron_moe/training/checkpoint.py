@@ -29,9 +29,9 @@ rank writes its RNG states; barriers order the steps when torch.distributed is i
 Expert parallelism (``groups.ep_size`` = P > 1): model.pt / optimizer.pt hold the dense
 parameters and their optimizer state only, and the P ranks of the first expert-parallel group
 each write ``experts_ep{j:03d}.pt`` (their experts' weights and optimizer state, keyed by
-parameter name). Every expert is stored exactly once. Loading concatenates the shards in expert
-order and slices each rank's experts, so a run can resume with another expert-parallel size
-(or none); a checkpoint without EP loads onto EP ranks the same way.
+parameter name). Every expert is stored exactly once. Loading maps the files and takes each
+rank's experts from the shards that hold them (in expert order), so a run can resume with
+another expert-parallel size (or none); a checkpoint without EP loads onto EP ranks the same way.
 
 Fault injection (tests only): ``fault_hooks.hooks.pause_save = (STEP, SECONDS)`` makes the save
 of checkpoint STEP sleep after its first file is written into the temporary folder, so a test can
@@ -44,6 +44,7 @@ kill the process in the middle of a checkpoint write.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -280,48 +281,53 @@ def verify_checkpoint(path: str | Path) -> dict:
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True,
-                    map_location: str | torch.device = "cpu", groups=None) -> dict:
+                    groups=None) -> dict:
     """Verify, then load model (strict), optimizer and this rank's RNG states; return meta.
 
     Expert weights and their optimizer state are re-sliced for this rank's expert-parallel
-    position (``groups``), whatever expert-parallel size the checkpoint was written with.
+    position (``groups``), whatever expert-parallel size the checkpoint was written with; the
+    files are memory-mapped, so a rank reads the experts it takes (at EP = 8 an eighth of them)
+    instead of holding every shard in host memory. Tensors go where the model's parameters are.
     """
     path = Path(path)
     meta = verify_checkpoint(path)
     rank, world = _dist()
-    state = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
+    # memory-mapped: each rank reads the expert rows it takes, not every expert of every shard
+    load = functools.partial(torch.load, map_location="cpu", weights_only=True, mmap=True)
+    state = load(path / "model.pt")
     experts = _expert_names(model)
     saved_ep = int(meta.get("expert_parallel_size", 1))
-    shards = [torch.load(path / _shard_name(j), map_location="cpu", weights_only=True)
-              for j in range(saved_ep)] if saved_ep > 1 else []
-    if shards:
-        for name in shards[0]["params"]:
-            state[name] = torch.cat([sh["params"][name] for sh in shards])
+    shards = [load(path / _shard_name(j)) for j in range(saved_ep)] if saved_ep > 1 else []
     ep_rank, ep_size = (groups.ep_rank, groups.ep_size) if groups is not None else (0, 1)
     local = {n: p.shape[0] for n, p in model.named_parameters() if n in experts}
-    for name, n_local in local.items():  # all experts in the file, this rank's share in the model
-        if name in state and state[name].shape[0] == n_local * ep_size != n_local:
-            state[name] = state[name][ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
+
+    def this_ranks(parts: list) -> list:  # tensors along the expert axis -> this rank's rows of each
+        return [_rank_rows([p[i] for p in parts], local_n, ep_rank, ep_size) if torch.is_tensor(parts[0][i])
+                and parts[0][i].dim() > 0 else parts[0][i] for i in range(len(parts[0]))] if parts else []
+
+    for name, local_n in local.items():  # all experts in the files, this rank's share in the model
+        parts = [[sh["params"][name]] for sh in shards if name in sh["params"]] or (
+            [[state[name]]] if name in state else [])
+        if parts:
+            state[name] = this_ranks(parts)[0]
     _load_model_state(path, model, state)
     if optimizer is not None:
         if "optimizer.pt" not in meta["files"]:
             raise CheckpointError(f"checkpoint {path} has no optimizer state")
-        opt_state = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+        opt_state = load(path / "optimizer.pt")
         idx2name = _optimizer_param_names(model, optimizer)
         name2idx = {n: i for i, n in idx2name.items()}
-        if shards:  # expert optimizer state: concatenate the shards along the expert dimension
-            for name in shards[0]["optim"]:
-                parts = [sh["optim"][name] for sh in shards]
-                opt_state["state"][name2idx[name]] = {
-                    k: (torch.cat([p[k] for p in parts]) if torch.is_tensor(v) and v.dim() > 0 else v)
-                    for k, v in parts[0].items()}
-        for name, n_local in local.items():
-            st = opt_state["state"].get(name2idx.get(name))
-            if st is None:
+        for name, local_n in local.items():
+            if shards:  # the expert's state is in the shards, else in optimizer.pt with the rest
+                sts = [sh["optim"][name] for sh in shards if name in sh["optim"]]
+            else:
+                st = opt_state["state"].get(name2idx.get(name))
+                sts = [st] if st is not None else []
+            if not sts or name2idx.get(name) is None:
                 continue
-            for k, v in st.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_local * ep_size != n_local:
-                    st[k] = v[ep_rank * n_local:(ep_rank + 1) * n_local].to(map_location)
+            keys = list(sts[0])
+            rows = this_ranks([[st[k] for k in keys] for st in sts])
+            opt_state["state"][name2idx[name]] = dict(zip(keys, rows))
         try:
             optimizer.load_state_dict(opt_state)
         except (ValueError, KeyError) as e:
@@ -333,6 +339,21 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
         else:
             meta["rng_restored"] = False  # saved with fewer ranks: RNG streams start anew
     return meta
+
+
+def _rank_rows(parts: list[torch.Tensor], n_local: int, ep_rank: int, ep_size: int) -> torch.Tensor:
+    """Rows [ep_rank * n_local, (ep_rank + 1) * n_local) of the concatenation of ``parts`` (an
+    expert tensor split along its first axis, as saved), reading only those rows; all rows when
+    the total is not n_local * ep_size (another number of experts: the load then says so)."""
+    total = sum(p.shape[0] for p in parts)
+    lo, hi = (ep_rank * n_local, (ep_rank + 1) * n_local) if total == n_local * ep_size else (0, total)
+    pieces, start = [], 0
+    for p in parts:
+        a, b = max(lo - start, 0), min(hi - start, p.shape[0])
+        if a < b:
+            pieces.append(p[a:b])
+        start += p.shape[0]
+    return torch.cat(pieces)  # a copy: nothing stays mapped from the file
 
 
 def _load_model_state(path: Path, model: torch.nn.Module, state: dict) -> None:

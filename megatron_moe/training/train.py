@@ -291,8 +291,7 @@ def _micro_batch_graph(run: Run, ep: int) -> MicroBatchGraph:
 def restore(run: Run, ckpt: Path) -> None:
     """Load ``ckpt`` into the run: weights, optimizer, RNG states, the non-finite counters."""
     try:
-        meta = load_checkpoint(ckpt, run.model, run.optimizer, map_location=run.di.device,
-                               groups=run.groups)
+        meta = load_checkpoint(ckpt, run.model, run.optimizer, groups=run.groups)
     except CheckpointError as e:
         raise TrainError(str(e)) from None
     if run.bf16 is not None:

@@ -537,6 +537,22 @@ def test_crash_mid_save_leaves_previous_checkpoint_loadable(tmp_path, where):
     verify_checkpoint(root / "iter_0000002")
 
 
+def test_each_rank_takes_its_expert_rows_from_the_shards():
+    """_rank_rows against concatenate-then-slice: every saved/loading expert-parallel size pair of
+    1, 2, 4 and 8 over 8 experts (a rank's rows inside one shard, or spanning several), and all
+    rows when the saved number of experts is not the model's (the load then reports it)."""
+    from megatron_moe.training.checkpoint import _rank_rows
+
+    full = torch.arange(8 * 3.0).reshape(8, 3)
+    for saved in (1, 2, 4, 8):
+        parts = list(full.chunk(saved))
+        for ep in (1, 2, 4, 8):
+            n = 8 // ep
+            for r in range(ep):
+                assert torch.equal(_rank_rows(parts, n, r, ep), full[r * n:(r + 1) * n]), (saved, ep, r)
+    assert torch.equal(_rank_rows(list(full.chunk(2)), 3, 1, 2), full)  # 8 saved, 6 in the model
+
+
 def test_incomplete_or_mismatched_checkpoint_is_refused(tmp_path):
     m, opt = _model_and_opt(0)
     path = save_checkpoint(tmp_path, 3, m, opt, {"consumed_samples": 24})
