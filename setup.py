@@ -51,6 +51,7 @@ setup(
             "megatron-moe-compare-runs=megatron_moe.tools.compare_runs:main",
             "megatron-moe-find-micro-batch=megatron_moe.tools.find_micro_batch:main",
             "megatron-moe-megatron-lm-args=megatron_moe.tools.megatron_lm_args:main",
+            "megatron-moe-rank-timelines=megatron_moe.tools.rank_timelines:main",
         ]
     },
 )

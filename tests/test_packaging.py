@@ -42,7 +42,7 @@ def test_wheel_holds_the_package_its_configs_and_its_license(wheel):
         assert f"Provides-Extra: {extra}" in text
     entry = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     for script in ("megatron-moe-train", "megatron-moe-prepare-data", "megatron-moe-compare-runs",
-                   "megatron-moe-find-micro-batch", "megatron-moe-megatron-lm-args"):
+                   "megatron-moe-find-micro-batch", "megatron-moe-megatron-lm-args", "megatron-moe-rank-timelines"):
         assert f"{script} = " in entry
 
 
