@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
-#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [quick]
+#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [quick]
 # TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
 # TRAIN_CONFIGS / TRAIN_OVERRIDES ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step') narrow a stage.
 # Set-up (optional wheels from .whl/, the kernels mapping): benchmarks/device_env.sh.
@@ -14,7 +14,7 @@ summary=()
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
-    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/megatron/test_model.py} \
+    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/megatron/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -41,6 +41,19 @@ if [[ $stages == *" train "* ]]; then
     cp /tmp/runs/$cfg/metrics.jsonl "$OUT/metrics_$cfg.jsonl" 2>/dev/null
     summary+=("train $cfg: $(python3 -c "import json,statistics as s;r=[json.loads(l) for l in open('/tmp/runs/$cfg/metrics.jsonl')];t=[x for x in r if x.get('tokens_per_s')][len(r)//10:];print('loss %.3f->%.3f val %s tok/s %.0f TFLOP/s %.1f MFU %s mem %.1fGB'%(r[0]['lm_loss'],r[-1]['lm_loss'],[x['val_loss'] for x in r if 'val_loss' in x][-1:],s.median(x['tokens_per_s'] for x in t),s.median(x['tflops_per_gpu'] for x in t),s.median(x['mfu'] for x in t),max(x['peak_mem_gb'] for x in t)))" 2>&1 | tail -1)")
   done
+fi
+if [[ $stages == *" router "* ]]; then
+  # the fused router (issue #35): host calls per layer step, then the layer eager and graphed with
+  # the fused router and without it (MEGATRON_MOE_FUSED_ROUTER=0), alternated in this one call
+  python3 benchmarks/count_launches.py --device cuda --shape 16384,1024,4096,64,1 2>&1 | tee "$OUT/count.log"
+  n=0
+  for fused in 1 0 1 0; do
+    n=$((n + 1))
+    MEGATRON_MOE_FUSED_ROUTER=$fused python3 benchmarks/bench_layer.py --timing eager,graph \
+      --configs ${ROUTER_CONFIGS:-paper-moe-m,fine-64e-top8,dmoe-small} --providers dense,triton_grouped \
+      --out "$OUT/router_${n}_fused$fused.json" 2>&1 | tee -a "$OUT/router.log" | tail -n 8
+  done
+  summary+=("router: $(tail -n 3 "$OUT/count.log" | tr '\n' ' ')")
 fi
 if [[ $stages == *" step "* ]]; then
   # the training step, eager against CUDA graphs and bf16 moments (issue #33): global batch 64 x 1024,

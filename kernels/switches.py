@@ -13,6 +13,8 @@
 |                         | through a tensor descriptor (sm_90+)      |                                               |
 | MEGATRON_MOE_TUNING_CACHE | tuned configs kept in                   | a folder: kept there; 0: not kept, not read   |
 |                         | ~/.cache/megatron-moe/tuning (tuning.py)  | (every process tunes)                         |
+| MEGATRON_MOE_FUSED_ROUTER | the router after its logits runs as   | 0: the plain-PyTorch router (~40 more torch   |
+|                         | kernels/router.py's fused kernels         | ops per layer step)                           |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -22,7 +24,7 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``), so a test may set those after import. A choice
+each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``), so a test may set those after import. A choice
 already tuned for a key stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
 from __future__ import annotations
@@ -66,3 +68,8 @@ def fingerprint() -> str:
 def w_tma() -> bool:
     """MEGATRON_MOE_W_TMA != "0": transposed weights may be read through a tensor descriptor."""
     return os.environ.get("MEGATRON_MOE_W_TMA", "1") != "0"
+
+
+def fused_router() -> bool:
+    """MEGATRON_MOE_FUSED_ROUTER != "0": the router's scores, top-k and losses in fused kernels."""
+    return os.environ.get("MEGATRON_MOE_FUSED_ROUTER", "1") != "0"

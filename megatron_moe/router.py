@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 
 from .config import MoEConfig
+from .kernels.router import count_ids, load_balancing_loss, z_loss  # noqa: F401  (the reference's parts)
+from .ops.route import route
 
 
 @dataclass
@@ -92,26 +94,6 @@ def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
     return x_TH.float() @ w_EH.float().t()
 
 
-def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """How many times each of 0..n-1 occurs in ``ids`` (int64 [n]). A scatter-add rather than
-    torch.bincount, which reads the maximum back to the host on CUDA."""
-    flat = ids.reshape(-1).long()
-    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def load_balancing_loss(probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Switch/GShard loss E * sum_e f_e * P_e: f_e = share of the T*K assignments routed to e
-    (no gradient), P_e = mean router probability of e. Equals 1 when perfectly balanced."""
-    T, E = probs_TE.shape
-    f_E = tokens_per_expert_E.to(torch.float32) / max(T * top_k, 1)
-    return E * torch.sum(f_E * probs_TE.mean(dim=0))
-
-
-def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2."""
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
-
-
 class TopKRouter(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -132,22 +114,12 @@ class TopKRouter(nn.Module):
             noise = torch.empty_like(x_TH).uniform_(1.0 - cfg.jitter_eps, 1.0 + cfg.jitter_eps)
             x_TH = x_TH * noise
         logits_TE = router_logits(x_TH, self.weight)
-        if cfg.score_function == "softmax":
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-            probs_TE = scores_TE
-        else:
-            scores_TE = torch.sigmoid(logits_TE)
-            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        select_TE = scores_TE.detach() + self.expert_bias if cfg.expert_bias else scores_TE
-        expert_ids_TK = torch.topk(select_TE, cfg.top_k, dim=-1).indices
-        weights_TK = torch.gather(scores_TE, 1, expert_ids_TK)
-        if cfg.normalize_top_k:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        tokens_per_expert_E = count_ids(expert_ids_TK, cfg.num_experts)
-        zero = logits_TE.new_zeros(())
-        aux = cfg.aux_loss_coeff * load_balancing_loss(probs_TE, tokens_per_expert_E, cfg.top_k) \
-            if cfg.aux_loss_coeff > 0 else zero
-        zl = cfg.z_loss_coeff * z_loss(logits_TE) if cfg.z_loss_coeff > 0 else zero
+        # scores, top-k, weights, counts and losses: fused kernels on GPUs (kernels/router.py),
+        # the plain-PyTorch reference with mlp_impl='reference' and on the CPU
+        expert_ids_TK, weights_TK, tokens_per_expert_E, aux, zl = route(
+            logits_TE, self.expert_bias if cfg.expert_bias else None, cfg.top_k,
+            softmax=cfg.score_function == "softmax", normalize=cfg.normalize_top_k,
+            aux_coeff=cfg.aux_loss_coeff, z_coeff=cfg.z_loss_coeff, fused=cfg.mlp_impl != "reference")
         if self.training and cfg.expert_bias:
             self.local_tokens_per_expert += tokens_per_expert_E.to(self.local_tokens_per_expert.dtype)
         return RouterOutput(expert_ids_TK, weights_TK, tokens_per_expert_E, aux, zl)
