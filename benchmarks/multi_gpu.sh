@@ -22,7 +22,7 @@
 # the tokens, averaged over MoE layers (1/E balanced, 1 collapsed), median over those steps;
 # "rank imb" the busiest expert-parallel rank's tokens over the mean rank's (metrics.py).
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
-# table lands in $OUT). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
+# table lands in $OUT, and every rank's timeline side by side: tools/rank_timelines.py). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
 OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
 source benchmarks/device_env.sh
@@ -58,6 +58,10 @@ run_one() {  # name config gpus ep [overrides]
   cp "/tmp/mg/$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
   cat /tmp/mg/"$name"/profile_step*_rank0.txt > "$OUT/$name.profile.txt" 2>/dev/null || rm -f "$OUT/$name.profile.txt"
   gzip -c /tmp/mg/"$name"/profile_step*_rank0.json > "$OUT/$name.trace.json.gz" 2>/dev/null || rm -f "$OUT/$name.trace.json.gz"
+  if [[ $name == "$PROFILE_RUN" && $n -gt 1 ]]; then  # every rank's GPU timeline of that step, side by side
+    python3 tools/rank_timelines.py "/tmp/mg/$name" --step "$PROFILE_STEP" --group-size "$((ep > 0 ? ep : n))" \
+      --merged "$OUT/$name.ranks.json" > "$OUT/$name.ranks.txt" 2>&1 && gzip -f "$OUT/$name.ranks.json"
+  fi
   echo "   $name exit $rc ($(grep -m1 -E '^done|Error|error' "$OUT/$name.log" | cut -c1-150))"
 }
 
