@@ -66,10 +66,14 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, part_counts_pt
     row_ok = rows < T
     col_ok = cols < E
     x, ex, total, lse, scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX)
+    # the losses' partial sums first: probs and lse are dead during the top-k loop
     if SOFTMAX:
         probs = scores
     else:
         probs = scores / tl.maximum(tl.sum(scores, 1), 1e-20)[:, None]
+    ok = row_ok[:, None] & col_ok[None, :]
+    tl.store(part_probs_ptr + pid * BLOCK_E + cols, tl.sum(tl.where(ok, probs, 0.0), 0))
+    tl.store(part_lse2_ptr + pid, tl.sum(tl.where(row_ok, lse * lse, 0.0), 0))
     select = scores
     if HAS_BIAS:
         select = select + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -95,10 +99,7 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, part_counts_pt
     k_ok = row_ok[:, None] & (kcols[None, :] < K)
     tl.store(ids_ptr + out, id_TK.to(tl.int64), mask=k_ok)
     tl.store(weights_ptr + out, w_TK, mask=k_ok)
-    ok = row_ok[:, None] & col_ok[None, :]
     tl.store(part_counts_ptr + pid * BLOCK_E + cols, tl.sum(tl.where(ok, chosen, 0), 0))
-    tl.store(part_probs_ptr + pid * BLOCK_E + cols, tl.sum(tl.where(ok, probs, 0.0), 0))
-    tl.store(part_lse2_ptr + pid, tl.sum(tl.where(row_ok, lse * lse, 0.0), 0))
 
 
 @triton.jit
