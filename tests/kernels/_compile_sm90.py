@@ -1,0 +1,179 @@
+"""Compile every Triton kernel the layer and the trainer launch for Hopper (sm_90), without a GPU.
+
+    python tests/kernels/_compile_sm90.py          # prints the kernels compiled, one line each
+
+Triton's interpreter (the CPU tests) runs a kernel's Python, not its compiler: a loop-carried
+value whose type changes, a layout the compiler cannot build or a TMA descriptor it refuses shows
+only when the kernel is compiled for a GPU. Triton compiles for a named target without a driver,
+so this script runs the real launch paths on CPU tensors with every launch turned into a compile
+for sm_90 (``JITFunction.run(..., warmup=True)`` under a stand-in driver that names the target):
+the layer forward and backward for each expert path, activation, dtype and router variant, the
+fp32 weight-gradient accumulation (TMA reduce-add and load-add-store), the expert-parallel
+permutation, the fused cross-entropy and AdamW. Nothing runs: buffers are zero-filled, so index
+tensors stay in range for the torch ops between launches. One tile config per kernel
+(``MEGATRON_MOE_AUTOTUNE=0``). Must run in its own process: the kernels must be defined as JIT
+functions, not under ``TRITON_INTERPRET=1`` (tests/kernels/test_compile_hopper.py runs it).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["MEGATRON_MOE_AUTOTUNE"] = "0"
+os.environ["MEGATRON_MOE_TUNING_CACHE"] = "0"
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _TargetOnly:
+    """The driver calls JITFunction.run makes before a launch, answered for an absent sm_90 GPU."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return TARGET
+
+
+def compile_only() -> collections.Counter:
+    """Turn launches into compiles for TARGET; returns the counter of kernels compiled."""
+    compiled: collections.Counter = collections.Counter()
+    driver.set_active(_TargetOnly())
+    run = JITFunction.run
+
+    def compile_launch(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled[self.fn.__name__] += 1
+        for flag in ("W_TMA", "TMA_ADD"):  # the tensor-memory-unit variants, counted apart
+            if kwargs.get(flag):
+                compiled[f"{self.fn.__name__} {flag}"] += 1
+        return kernel
+
+    JITFunction.run = compile_launch
+    # zero-filled buffers: the torch ops between launches index with what kernels would have written
+    torch.empty = lambda *a, **k: torch.zeros(*a, **k)
+    torch.empty_like = lambda *a, **k: torch.zeros_like(*a, **k)
+    torch.Tensor.new_empty = lambda self, *a, **k: self.new_zeros(*a, **k)
+
+    import megatron_moe  # noqa: F401  (every module that binds use_triton)
+    import megatron_moe.kernels.grouped as grouped
+    from megatron_moe.kernels import _common
+
+    def always(*tensors):
+        return True
+
+    original = _common.use_triton
+    for mod in list(sys.modules.values()):  # _common itself too; modules imported later bind `always`
+        if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
+            mod.use_triton = always
+    grouped._num_sms = lambda index: 132
+    # TMA descriptors on the CPU tensors: only the tensor-memory unit's alignment rules
+    grouped._tma_can_describe = lambda t: (grouped.TensorDescriptor is not None and t.stride(-1) == 1
+                                           and t.data_ptr() % 16 == 0
+                                           and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
+    return compiled
+
+
+def _layer_step(impl, dtype, **kw):
+    from megatron_moe import DroplessMoE, MoEConfig
+
+    cfg = dict(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2, mlp_impl=impl, block_size=64,
+               z_loss_coeff=1e-3)
+    cfg.update(kw)
+    layer = DroplessMoE(MoEConfig(**cfg)).to(dtype)
+    x = torch.randn(100, 64, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    torch.autograd.backward([y, layer.aux_loss], [torch.ones_like(y), torch.ones_like(layer.aux_loss)])
+
+
+def scenarios():
+    from megatron_moe.kernels.adamw import adamw_step_, hyperparameters
+    from megatron_moe.kernels.grouped import grouped_wgrad
+    from megatron_moe.kernels.metadata import routing_metadata
+    from megatron_moe.ops.cross_entropy import lm_cross_entropy
+    from megatron_moe.ops.permute import permute_tokens, unpermute_tokens
+
+    bf16 = torch.bfloat16
+    yield "triton_grouped bf16 gelu top-2", lambda: _layer_step("triton_grouped", bf16)
+    yield "triton_grouped fp32 gelu", lambda: _layer_step("triton_grouped", torch.float32)
+    yield "triton_grouped bf16 swiglu, sigmoid router, expert bias, renormalised", lambda: _layer_step(
+        "triton_grouped", bf16, activation="swiglu", score_function="sigmoid", expert_bias=True,
+        normalize_top_k=True)
+    yield "triton_grouped bf16, activation recomputed in dw2", lambda: _layer_step(
+        "triton_grouped", bf16, recompute_activation=True)
+    yield "triton_grouped bf16, top_k = num_experts = 3", lambda: _layer_step(
+        "triton_grouped", bf16, num_experts=3, top_k=3, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    yield "blocksparse bf16 gelu", lambda: _layer_step("blocksparse", bf16)
+    yield "blocksparse fp32 swiglu", lambda: _layer_step("blocksparse", torch.float32, activation="swiglu")
+
+    def router_shapes():  # the tile shapes: BLOCK_E 64 to 256, BLOCK_K up to 8
+        from megatron_moe.ops.route import route
+
+        for E, K, softmax in ((64, 1, True), (128, 8, False), (256, 4, True), (130, 2, False)):
+            logits = torch.randn(300, E, requires_grad=True)
+            ids, w, counts, aux, z = route(logits, None, K, softmax=softmax, normalize=not softmax,
+                                           aux_coeff=0.01, z_coeff=0.001)
+            torch.autograd.backward([w, aux, z], [torch.ones_like(w), torch.ones(()), torch.ones(())])
+    yield "router tile shapes", router_shapes
+
+    def wgrad_accumulate():
+        a, b = torch.randn(256, 64, dtype=bf16), torch.randn(256, 128, dtype=bf16)
+        offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
+        out = torch.zeros(3, 64, 128)
+        for tma in ("0", "1"):
+            os.environ["MEGATRON_MOE_TMA_ADD"] = tma
+            grouped_wgrad(a, b, offsets, out=out, accumulate=True)
+        os.environ.pop("MEGATRON_MOE_TMA_ADD")
+    yield "fp32 weight-gradient accumulation (load-add-store, TMA reduce-add)", wgrad_accumulate
+
+    def permutation():
+        ids = torch.randint(0, 8, (50, 2))
+        routing = routing_metadata(ids, 8, 128)
+        x = torch.randn(50, 64, dtype=bf16, requires_grad=True)
+        w = torch.rand(50, 2, requires_grad=True)
+        unpermute_tokens(permute_tokens(x, routing), w, routing).sum().backward()
+    yield "expert-parallel permutation", permutation
+
+    def cross_entropy():
+        logits = torch.randn(16, 5000, dtype=bf16, requires_grad=True)
+        lm_cross_entropy(logits, torch.randint(0, 5000, (16,))).sum().backward()
+    yield "fused cross-entropy", cross_entropy
+
+    def adamw():
+        params = [torch.randn(300), torch.randn(17, 5)]
+        grads = [torch.randn_like(p) for p in params]
+        hyper = [hyperparameters(1e-3, 0.1, 0.9, 0.95, 1e-8, 1)] * 2
+        for state in (torch.float32, torch.bfloat16):
+            adamw_step_(params, grads, [torch.zeros_like(p, dtype=state) for p in params],
+                        [torch.zeros_like(p, dtype=state) for p in params], hyper,
+                        copies=[p.to(bf16) for p in params], grad_scale=torch.ones(()))
+    yield "fused AdamW (fp32 and bf16 moments)", adamw
+
+
+def main() -> int:
+    compiled = compile_only()
+    failed = 0
+    for name, fn in scenarios():
+        try:
+            fn()
+            print(f"ok      {name}")
+        except Exception as e:  # noqa: BLE001  (each scenario reports, the others still run)
+            failed += 1
+            print(f"FAILED  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    for kernel, n in sorted(compiled.items()):
+        print(f"compiled {kernel} x{n}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
