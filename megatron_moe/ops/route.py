@@ -3,10 +3,10 @@
     ids_TK, weights_TK, counts_E, aux, z = route(logits_TE, bias_E, top_k, softmax=True,
                                                  aux_coeff=0.01, z_coeff=0.0)
 
-On a GPU (or under the Triton interpreter) the fused kernels; elsewhere, and with ``fused=False``,
-the plain-PyTorch reference through autograd (also with ``MEGATRON_MOE_FUSED_ROUTER=0``,
-for A/B runs). The forward saves the logits (fp32 [T, E]), the
-chosen experts and the counts; the backward recomputes the scores.
+On a GPU (or under the Triton interpreter) the fused kernels; elsewhere, with ``fused=False`` and
+with ``MEGATRON_MOE_FUSED_ROUTER=0`` (A/B runs) the plain-PyTorch reference through autograd.
+The forward saves the logits (fp32 [T, E]), the chosen experts and the counts; the backward
+recomputes the scores.
 
 Legend: T tokens, E experts, K top_k.
 """
