@@ -5,7 +5,7 @@
     python benchmarks/count_launches.py --providers triton_grouped --list  # every op, in order
 
 The eager layer is host-bound where its kernels are short (docs/performance.md, "The host"):
-every torch op and Triton launch costs the host ~10-80 us whatever the tensor sizes. This
+every torch op and Triton launch costs the host time whatever the tensor sizes. This
 counts them, by part of the step (the router alone, then the whole layer), with a
 ``TorchDispatchMode`` (aten ops that are not views: views launch nothing) and a hook on
 Triton's ``JITFunction.run`` (each kernel launch, autotuner or not). Allocations (``empty*``)

@@ -10,8 +10,9 @@
   logits.
 
 Why: unfused, these are ~19 torch ops forward and ~25 backward per layer (``benchmarks/
-count_launches.py``), each a kernel launch and ~10 us of host time whatever T; fused, 2 launches
-forward and 1 backward. The eager layer is host-bound at small experts (docs/performance.md).
+count_launches.py``), each a kernel launch with its host cost whatever T; fused, 2 launches
+forward and 1 backward. The eager layer is host-bound at small experts (docs/performance.md,
+"The host").
 
 Definitions (the plain-PyTorch reference :func:`route_reference`, the CPU path):
   scores = softmax(logits) or sigmoid(logits);  probs = scores (softmax) or scores / Σ_e scores
