@@ -61,7 +61,10 @@ class Routing:
 
     @property
     def sorted_token_N(self) -> torch.Tensor:
-        """Token index of each sorted position (the gather index of the grouped path)."""
+        """Token index of each sorted position (the gather index of the grouped path); top-1:
+        the sort order itself (no op)."""
+        if self.top_k == 1:
+            return self.sort_order_N
         return torch.div(self.sort_order_N, self.top_k, rounding_mode="floor")
 
 

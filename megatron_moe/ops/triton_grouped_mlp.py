@@ -58,19 +58,18 @@ def release(t: torch.Tensor) -> None:
 
 class TritonGroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, token_N, offsets_E1, top_k, activation,
-                recompute_activation):
+    def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, sorted_row_N, token_N, offsets_E1, top_k,
+                activation, recompute_activation):
         T, H = x_TH.shape
-        N = T * top_k
-        weight_N = weights_TK.reshape(-1)[sort_order_N.long()].float()  # router weight per sorted position
+        # router weight per sorted position (index_select takes the int32 order as it is)
+        weight_N = weights_TK.reshape(-1).index_select(0, sort_order_N).float()
         pre_NF, wact_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation,
                                        act_scale_S=weight_N)
         y_NH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
         y_TH = y_NH if top_k == 1 else y_NH.view(T, top_k, H).sum(1)
         ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, None if recompute_activation else wact_NF, weight_N,
-                              sort_order_N, token_N, offsets_E1)
+                              sort_order_N, sorted_row_N, token_N, offsets_E1)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
-        ctx.num_assignments = N
         ctx.pre_consumed = False
         ctx.sinks = (fp32_grad_of(w1_EHF), fp32_grad_of(w2_EFH))  # master_grad.MasterGrad or None
         return y_TH
@@ -81,10 +80,11 @@ class TritonGroupedMLP(torch.autograd.Function):
             raise RuntimeError("triton_grouped_mlp: a second backward through the same forward is not supported "
                                "(the first one overwrote the saved pre-activation to save memory); "
                                "run the forward again, or use mlp_impl='blocksparse'")
-        x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, token_N, offsets_E1 = ctx.saved_tensors
+        (x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, sorted_row_N, token_N,
+         offsets_E1) = ctx.saved_tensors
         need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
         T, H = x_TH.shape
-        K, N = ctx.top_k, ctx.num_assignments
+        K = ctx.top_k
         dx = dw1 = dw2 = dweights = None
         dy_TH = dy_TH.to(x_TH.dtype)
         ctx.pre_consumed = True
@@ -100,17 +100,15 @@ class TritonGroupedMLP(torch.autograd.Function):
         # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
         dpre_NF, dweight_N = grouped_gemm_dact(dy_TH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF, ctx.activation,
                                                gather_S=token_N, scale_S=weight_N, inplace=True)
-        if need_weights:
-            dweights = torch.empty(N, device=dweight_N.device, dtype=torch.float32)
-            dweights.index_copy_(0, sort_order_N.long(), dweight_N)
-            dweights = dweights.view(T, K).to(ctx.weights_dtype)
+        if need_weights:  # back to assignment order: assignment a sits at sorted position sorted_row[a]
+            dweights = dweight_N.index_select(0, sorted_row_N).view(T, K).to(ctx.weights_dtype)
         if need_w1:  # 6.
             dw1 = _weight_grad(ctx.sinks[0], w1_EHF.dtype, x_TH, dpre_NF, offsets_E1, gather_a_S=token_N)
         if need_x:  # 7.
             dx_NH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)
             release(dpre_NF)
             dx = dx_NH if K == 1 else dx_NH.view(T, K, H).sum(1)
-        return dx, dw1, dw2, dweights, None, None, None, None, None, None
+        return dx, dw1, dw2, dweights, None, None, None, None, None, None, None
 
 
 def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
@@ -141,5 +139,5 @@ def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.T
     offsets_E1 = routing.expert_offsets_E1
     if offsets_E1.dtype != torch.int32:
         offsets_E1 = offsets_E1.to(torch.int32)
-    return TritonGroupedMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N, routing.sorted_token_N,
-                                  offsets_E1, K, activation, recompute_activation)
+    return TritonGroupedMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N, routing.sorted_row_N,
+                                  routing.sorted_token_N, offsets_E1, K, activation, recompute_activation)
