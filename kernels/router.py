@@ -37,8 +37,8 @@ def _blocks(E: int, K: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX: tl.constexpr):
-    """Logits of a block of rows (rows past T read row T-1: finite, never stored or summed), the
-    row's softmax numerator, its sum and logsumexp, and the scores (0 in columns past E)."""
+    """For a block of rows (rows past T read row T-1: finite, never stored or summed): the
+    softmax numerator exp(x - max), its sum, the logsumexp and the scores (0 in columns past E)."""
     col_ok = cols < E
     rows_c = tl.minimum(rows, T - 1).to(tl.int64)
     x = tl.load(logits_ptr + rows_c[:, None] * stride_t + cols[None, :], mask=col_ok[None, :],
@@ -51,7 +51,7 @@ def _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX: tl.constexpr):
         scores = ex / total[:, None]
     else:
         scores = tl.where(col_ok[None, :], 1.0 / (1.0 + tl.exp(-x)), 0.0)
-    return x, ex, total, lse, scores
+    return ex, total, lse, scores
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def _route_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, part_counts_pt
     kcols = tl.arange(0, BLOCK_K)
     row_ok = rows < T
     col_ok = cols < E
-    x, ex, total, lse, scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX)
+    ex, total, lse, scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX)
     # the losses' partial sums first: probs and lse are dead during the top-k loop
     if SOFTMAX:
         probs = scores
@@ -136,12 +136,12 @@ def _route_bwd_kernel(logits_ptr, ids_ptr, dweights_ptr, counts_ptr, daux_ptr, d
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
     col_ok = cols < E
-    x, ex, total, lse, scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX)
+    ex, total, lse, scores = _scores(logits_ptr, rows, cols, T, E, stride_t, SOFTMAX)
     rows_c = tl.minimum(rows, T - 1).to(tl.int64)
     # dL/dscores from the combine weights (each expert at most once per row)
     ds = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
     if HAS_DW:
-        if NORMALIZE:  # w_k = s_k / max(S, 1e-20), S = Σ_k s_k
+        if NORMALIZE:  # w_k = s_k / max(S, 1e-20), S = Σ_k s_k: a first pass for S and Σ_k dw_k s_k
             S = tl.zeros((BLOCK_T,), tl.float32)
             dot = tl.zeros((BLOCK_T,), tl.float32)
             for k in range(K):
@@ -151,15 +151,12 @@ def _route_bwd_kernel(logits_ptr, ids_ptr, dweights_ptr, counts_ptr, daux_ptr, d
                 dot += tl.load(dweights_ptr + rows_c * K + k) * s_k
             S_c = tl.maximum(S, 1e-20)
             corr = tl.where(S >= 1e-20, dot / (S_c * S_c), 0.0)
-            for k in range(K):
-                idx = tl.load(ids_ptr + rows_c * K + k).to(tl.int32)
-                dw = tl.load(dweights_ptr + rows_c * K + k)
-                ds += tl.where(cols[None, :] == idx[:, None], (dw / S_c - corr)[:, None], 0.0)
-        else:
-            for k in range(K):
-                idx = tl.load(ids_ptr + rows_c * K + k).to(tl.int32)
-                dw = tl.load(dweights_ptr + rows_c * K + k)
-                ds += tl.where(cols[None, :] == idx[:, None], dw[:, None], 0.0)
+        for k in range(K):
+            idx = tl.load(ids_ptr + rows_c * K + k).to(tl.int32)
+            dw = tl.load(dweights_ptr + rows_c * K + k)
+            if NORMALIZE:
+                dw = dw / S_c - corr
+            ds += tl.where(cols[None, :] == idx[:, None], dw[:, None], 0.0)
     # dL/dprobs from the aux loss: the same for every token
     if HAS_AUX:
         c = tl.load(counts_ptr + cols, mask=col_ok, other=0).to(tl.float32)
@@ -179,6 +176,11 @@ def _route_bwd_kernel(logits_ptr, ids_ptr, dweights_ptr, counts_ptr, daux_ptr, d
         dx += (tl.load(dz_ptr) * z_scale) * lse[:, None] * (ex / total[:, None])
     ok = row_ok[:, None] & col_ok[None, :]
     tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dx, mask=ok)
+
+
+def _aux_scale(aux_coeff: float, T: int, E: int, K: int) -> float:
+    """aux = this · Σ_e counts_e · Σ_t probs[t, e] (the definition above, its sums unnormalised)."""
+    return aux_coeff * E / (T * K) / T
 
 
 def _check(logits_TE: torch.Tensor, top_k: int) -> None:
@@ -214,7 +216,7 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     aux = torch.empty((), device=dev, dtype=torch.float32)
     z = torch.empty((), device=dev, dtype=torch.float32)
     _route_sum_kernel[(1,)](part_counts, part_probs, part_lse2, counts_E, aux, z, G, E,
-                            aux_coeff * E / (T * top_k) / T, z_coeff / T,
+                            _aux_scale(aux_coeff, T, E, top_k), z_coeff / T,
                             BLOCK_G=max(2, min(64, triton.next_power_of_2(G))), BLOCK_E=BLOCK_E,
                             num_warps=4)
     return ids_TK, weights_TK, counts_E, aux, z
@@ -236,7 +238,7 @@ def route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz, *, soft
     _route_bwd_kernel[(triton.cdiv(T, BLOCK_T),)](
         logits_TE, ids_TK, dweights_TK.float().contiguous() if dweights_TK is not None else dummy, counts_E,
         daux if has_aux else dummy, dz if has_z else dummy, dlogits_TE,
-        T, E, logits_TE.stride(0), aux_coeff * E / (T * K) / T, 2.0 * z_coeff / T,
+        T, E, logits_TE.stride(0), _aux_scale(aux_coeff, T, E, K), 2.0 * z_coeff / T,
         K=K, SOFTMAX=softmax, NORMALIZE=normalize, HAS_DW=dweights_TK is not None, HAS_AUX=has_aux,
         HAS_Z=has_z, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4)
     return dlogits_TE
