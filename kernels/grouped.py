@@ -672,10 +672,15 @@ def _tma_can_describe(t: torch.Tensor) -> bool:
     """Whether a host tensor descriptor over ``t`` can be used: Triton has them, an NVIDIA GPU of
     compute capability 9.0+ (not the interpreter), the last dimension contiguous, the base and the
     other strides multiples of 16 bytes (the tensor-memory unit's rules)."""
-    return (TensorDescriptor is not None and t.is_cuda and not interpret_mode()
-            and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+    return (TensorDescriptor is not None and t.is_cuda and not interpret_mode() and _tma_aligned(t)
             and torch.version.hip is None and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """The tensor-memory unit's layout rules: the last dimension contiguous, the base address and
+    the other strides multiples of 16 bytes."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]))
 
 
 def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None,

@@ -77,10 +77,8 @@ def compile_only() -> collections.Counter:
         if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
             mod.use_triton = always
     grouped._num_sms = lambda index: 132
-    # TMA descriptors on the CPU tensors: only the tensor-memory unit's alignment rules
-    grouped._tma_can_describe = lambda t: (grouped.TensorDescriptor is not None and t.stride(-1) == 1
-                                           and t.data_ptr() % 16 == 0
-                                           and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
+    # TMA descriptors on the CPU tensors: only the tensor-memory unit's layout rules
+    grouped._tma_can_describe = lambda t: grouped.TensorDescriptor is not None and grouped._tma_aligned(t)
     return compiled
 
 
