@@ -1,7 +1,7 @@
 """The first training step's time (tuning, compilation) of a config in fresh processes, with and
 without the tuned configs kept on disk (kernels/tuning.py) and Triton's compilation cache.
 
-    python3 benchmarks/first_step.py --out $OUT [--config dmoe-xs] [overrides ...]
+    python3 benchmarks/first_step.py --out $OUT [--config dmoe-xs] [--runs fresh,shipped,warm] [overrides ...]
 
 Four runs of two steps each (global batch 64, micro-batch 32, the built-in corpus):
 
@@ -48,6 +48,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device_out")))
     ap.add_argument("--config", default="dmoe-xs")
+    ap.add_argument("--runs", default="fresh,shipped,warm,warm-untuned", help="which of the four runs, in order")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -61,6 +62,8 @@ def main() -> int:
             ("warm-untuned", {"TRITON_CACHE_DIR": str(caches["fresh"]), "MEGATRON_MOE_TUNING_CACHE": "0"})]
     results = []
     for name, env in plan:
+        if name not in args.runs.split(","):
+            continue
         results.append(run(name, args.config, args.overrides, env, args.out))
         print(results[-1], flush=True)
     for f in tuning.glob("*.json"):

@@ -24,10 +24,16 @@ no dropout):
                CUBLAS_WORKSPACE_CONFIG=:4096:8): the resumed losses equal the straight run's
   mcore-moe    megatron-core's own MoE layer with the same flags (local spec: SequentialMLP; its
                grouped GEMM needs Transformer Engine or the grouped_gemm package; its fused bias-GeLU does
-               not take the experts' per-token scale: --no-bias-gelu-fusion). megatron-core
+               not take the experts' per-token scale: --no-bias-gelu-fusion; its expert MLP adds the
+               bias in place into a view at tensor-parallel size 1, which autograd refuses:
+               --disable-bias-linear, bias-free experts like ours). megatron-core
                0.16.1's router names te_general_gemm, defined only when Transformer Engine imports:
                the launcher (_mlm_launch.py) defines it as None, the router's own fallback
   ours         our training program on the same model and batch (its data: the built-in corpus)
+  readme       the README's Megatron-LM commands as written: the command megatron-moe-megatron-lm-args
+               prints for dmoe-xs (its own batch: 512 x 1024 tokens, micro-batch 16) with --save,
+               run twice (steps 1-20 with a checkpoint, then resumed to 40), against one run of the
+               same command straight to 40 without checkpoints; losses compared step by step
   profile-dmoe, profile-dense-sdpa   step 30 of the dmoe / dense-sdpa run under torch.profiler
                (Megatron-LM's --profile --use-pytorch-profiler): GPU time by kernel, GPU busy
                time against the step's wall time, in profile_NAME.txt
@@ -68,12 +74,12 @@ ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration 
 
 
 def megatron_lm(name: str, out: Path, mlm: Path, extra: list[str], env: dict | None = None,
-                timeout: int = 900, drop: tuple[str, ...] = ()) -> dict:
+                timeout: int = 900, drop: tuple[str, ...] = (), flags: list[str] | None = None) -> dict:
     """One pretrain_gpt.py run; its per-iteration times, TFLOP/s and losses (``drop``: flags of
-    TRAIN left out)."""
+    TRAIN left out; ``flags``: all of pretrain_gpt.py's flags instead of MODEL, TRAIN and extra)."""
     train = [a for a in TRAIN if a not in drop]
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", str(Path(__file__).with_name("_mlm_launch.py")),
-           str(mlm / "pretrain_gpt.py"), *MODEL, *train, *extra]
+           str(mlm / "pretrain_gpt.py"), *(flags if flags is not None else [*MODEL, *train, *extra])]
     log = out / f"mlm_{name}.log"
     t0 = time.time()
     with open(log, "w") as f:
@@ -149,6 +155,39 @@ def our_trainer(out: Path) -> dict:
     return result
 
 
+README_OVERRIDES = ["train.train_iters=40", "train.lr_warmup_iters=10", "train.exit_interval=20",
+                    "train.log_interval=1"]
+
+
+def readme(out: Path, mlm: Path, record) -> None:
+    """The README's commands: the tool's dmoe-xs command with --save run twice (1-20, then
+    resumed to 40), and the same command straight to 40 without checkpoints."""
+    from megatron_moe.megatron.yaml_config import find_config
+    from megatron_moe.tools.megatron_lm_args import megatron_lm_command
+    from megatron_moe.training.run_config import load_config
+
+    ckpt = Path("/tmp/mlm-readme-ckpt")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    cfg = load_config(find_config("dmoe-xs"), README_OVERRIDES)
+    flags, env, _ = megatron_lm_command(cfg, "dmoe-xs", README_OVERRIDES, 1, save=str(ckpt))
+    (out / "readme_command.txt").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + " pretrain_gpt.py "
+                                           + " ".join(flags) + "\n")
+    first = megatron_lm("readme-1", out, mlm, [], env=env, flags=flags)
+    second = megatron_lm("readme-2", out, mlm, [], env=env, flags=flags)
+    straight_cfg = load_config(find_config("dmoe-xs"), README_OVERRIDES + ["train.exit_interval=null"])
+    straight_flags, _, _ = megatron_lm_command(straight_cfg, "dmoe-xs", README_OVERRIDES, 1)
+    straight = megatron_lm("readme-straight", out, mlm, [], env=env, flags=straight_flags)
+    for r in (first, second, straight):
+        r.pop("ms_per_step", None)  # medians over steps 21-40 of a 512-sequence batch: not the table's
+        r.pop("tokens_per_s", None)
+    resumed = {**first["losses"], **second["losses"]}
+    both = sorted(set(resumed) & set(straight["losses"]))
+    second["compared"] = f"steps {both[0]}-{both[-1]} (1-20, then resumed) against readme-straight" if both else None
+    second["max_loss_diff"] = max((abs(resumed[i] - straight["losses"][i]) for i in both), default=None)
+    for r in (first, second, straight):
+        record(r)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device_out")))
@@ -205,9 +244,11 @@ def main() -> int:
         record(against(megatron_lm("dmoe-cefusion", out, mlm, SPEC + MOE_FLAGS + [
             "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "native"]), "dmoe"))
     if "mcore-moe" in stages:
-        record(megatron_lm("mcore-moe", out, mlm, MOE_FLAGS + ["--no-bias-gelu-fusion"]))
+        record(megatron_lm("mcore-moe", out, mlm, MOE_FLAGS + ["--no-bias-gelu-fusion", "--disable-bias-linear"]))
     if "ours" in stages:
         record(our_trainer(out))
+    if "readme" in stages:
+        readme(out, mlm, record)
     for name, extra, env in (("dmoe", SPEC + MOE_FLAGS, None),
                              ("dense-sdpa", SPEC, {"MEGATRON_MOE_CONFIG": "gpt-xs"})):
         if f"profile-{name}" in stages:

@@ -3,6 +3,7 @@
     megatron-moe-megatron-lm-args dmoe-xs                          # a shell command to edit and run
     megatron-moe-megatron-lm-args dmoe-small train.micro_batch_size=8 --nproc 8
     megatron-moe-megatron-lm-args my-configs/dmoe-long.yaml --list # the flags alone, one per line
+    megatron-moe-megatron-lm-args dmoe-xs --nproc 1 --save ckpt > run.sh  # run.sh saves to and resumes from ckpt/
 
 A config is a shipped config's name or a YAML file; key=value overrides follow it. The command
 sets ``MEGATRON_MOE_CONFIG`` (and ``MEGATRON_MOE_OVERRIDES``, the model's overrides) for our
@@ -14,7 +15,9 @@ they do). What maps:
   swiglu, init std, untied embeddings, no dropout (our model has none);
 - model.moe: ``--num-experts`` ... ``--expert-model-parallel-size`` (docs/megatron.md's table);
 - train: batch sizes, iterations, learning-rate schedule (warm-up, cosine decay, min lr), AdamW,
-  clipping, seed, bf16, evaluation, checkpoint and log intervals, exit interval;
+  clipping, seed, bf16, evaluation, checkpoint and log intervals, exit interval; ``--save DIR``
+  adds Megatron's ``--save DIR --load DIR`` (a run resumes from DIR's latest checkpoint, or starts
+  anew when there is none);
 - data: ``data.data_prefix`` with its tokenizer as ``--data-path`` and the tokenizer flags; with
   ``data.paths`` (prepared by our program) or the default corpus, ``--mock-data`` stands in, to
   be replaced by your data's flags;
@@ -128,7 +131,7 @@ def data_flags(data, vocab_size: int) -> tuple[list[str], str | None]:
     return f, None
 
 
-def megatron_lm_command(cfg, config: str, overrides: list[str] = (), nproc: int = 8
+def megatron_lm_command(cfg, config: str, overrides: list[str] = (), nproc: int = 8, save: str | None = None
                         ) -> tuple[list[str], dict, list[str]]:
     """(the flags, the environment, notes) that train ``cfg`` (a RunConfig: ``config`` with
     ``overrides``) under pretrain_gpt.py. The environment names the config and its model
@@ -142,6 +145,8 @@ def megatron_lm_command(cfg, config: str, overrides: list[str] = (), nproc: int 
     if cfg.model.moe is not None:
         flags += moe_flags(cfg.model.moe)
     flags += train_flags(cfg.train)
+    if save:
+        flags += ["--save", save, "--load", save]
     data, note = data_flags(cfg.data, cfg.model.vocab_size)
     flags += data
     if note:
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="key=value")
     ap.add_argument("--nproc", type=int, default=8, help="GPUs per node in the printed torchrun line (default 8)")
     ap.add_argument("--list", action="store_true", help="the flags alone, one per line (with their values)")
+    ap.add_argument("--save", metavar="DIR", help="checkpoints: Megatron's --save DIR --load DIR (resumes from DIR)")
     args = ap.parse_intermixed_args(argv)
     if args.nproc < 1:
         ap.error(f"--nproc {args.nproc} is invalid: expected an int >= 1")
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         path = find_config(args.config)
         config = args.config if path.parent.name == "configs" and path.stem == args.config else str(path.resolve())
         cfg = load_config(path, args.overrides)
-        flags, env, notes = megatron_lm_command(cfg, config, args.overrides, args.nproc)
+        flags, env, notes = megatron_lm_command(cfg, config, args.overrides, args.nproc, args.save)
     except (ConfigError, ValueError) as e:
         print(f"megatron-moe-megatron-lm-args: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,9 @@ that counts its tunings and records each launch's config; a "new process" is the
 the tuning module's in-memory caches cleared. Checked: the first process tunes and stores; the
 next launches the stored config without tuning (its pre-hook run, as the autotuner would); a
 changed kernel, candidate list or A/B switch, an entry naming no candidate, a corrupt file, storing turned
-off: tuning again; the shipped table; entries of two processes merged; an unwritable folder.
+off: tuning again; the shipped table; entries of two processes merged; an unwritable folder. And
+every table shipped in kernels/tuned/ still serves the current kernels (an edited kernel makes its
+entries stale: a fresh machine would tune again).
 """
 import json
 
@@ -192,3 +194,45 @@ def test_an_unwritable_folder_warns_and_runs(env, monkeypatch, capsys):
     launch(k)
     assert k.tunings == 1 and len(k.fn.launches) == 2
     assert "cannot store tuned configs" in capsys.readouterr().err
+
+
+_KERNELS_AS_ON_A_GPU = r"""
+import importlib, json, pkgutil, sys
+import triton
+import megatron_moe.kernels as pkg
+from megatron_moe.kernels import tuning
+out = {}
+for info in pkgutil.iter_modules(pkg.__path__):
+    module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+    for obj in vars(module).values():
+        if isinstance(obj, triton.runtime.autotuner.Autotuner):
+            out[obj.fn.__name__] = [tuning.entry_key(obj, ()).split("|")[1],
+                                    [tuning._config_dict(c) for c in obj.configs]]
+json.dump(out, sys.stdout)
+"""
+
+SHIPPED = sorted(tuning.SHIPPED_DIR.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_entry_serves_the_current_kernels(path):
+    """A shipped table is keyed by a hash of each kernel's source, candidates and switches: an
+    edited kernel silently drops its entries and a fresh machine tunes again. This fails first.
+    The kernels are read in a process without the interpreter (which narrows the candidates) and
+    with the default switches, as a GPU run that wrote the table saw them."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_MOE_")}
+    env["TRITON_INTERPRET"] = "0"
+    kernels = json.loads(subprocess.run([sys.executable, "-c", _KERNELS_AS_ON_A_GPU], env=env, check=True,
+                                        capture_output=True, text=True).stdout)
+    entries = json.loads(path.read_text())["entries"]
+    assert entries, f"{path.name} has no entries"
+    fix = "rerun `python3 benchmarks/first_step.py` on that GPU and ship its table"
+    for key, entry in entries.items():
+        name, digest, _ = key.split("|", 2)
+        assert name in kernels, f"{path.name}: no autotuned kernel named {name}; {fix}"
+        assert digest == kernels[name][0], f"{path.name}: {name} changed since its entries were tuned; {fix}"
+        assert entry["config"] in kernels[name][1], f"{path.name}: {name}'s stored config is no candidate; {fix}"

@@ -130,6 +130,14 @@ def test_cli_prints_a_command_and_a_flag_list(capsys):
     assert lines[0] == "MEGATRON_MOE_CONFIG=gpt-xs" and "--num-experts" not in lines
 
 
+def test_save_gives_megatrons_save_and_load_of_one_folder(capsys):
+    assert tool.main(["dmoe-xs", "--nproc", "1", "--save", "ckpt dir"]) == 0
+    words = shlex.split(capsys.readouterr().out.replace("\\\n", " "))
+    assert words[words.index("--save") + 1] == words[words.index("--load") + 1] == "ckpt dir"
+    assert tool.main(["dmoe-xs", "--list"]) == 0
+    assert "--save" not in capsys.readouterr().out.split()
+
+
 def test_cli_bad_config_is_one_line(capsys):
     assert tool.main(["dmoe-xs", "model.moe.top_k=99"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
