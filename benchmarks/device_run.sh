@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
-#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [quick]
+#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [graphs] [tables] [mlm] [quick]
 # TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
-# TRAIN_CONFIGS / TRAIN_OVERRIDES ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step') narrow a stage.
-# Set-up (optional wheels from .whl/, the kernels mapping): benchmarks/device_env.sh.
+# TRAIN_CONFIGS / TRAIN_OVERRIDES ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step'), GRAPH_RUNS,
+# TABLE_CONFIGS ('tables'),
+# MLM_STAGES (benchmarks/megatron_lm.py's --stages for 'mlm'; Megatron-LM's files in $MLM, default
+# .mlm) narrow a stage. Set-up (optional wheels from .whl/, the kernels mapping):
+# benchmarks/device_env.sh. At the end everything under $OUT is packed into $OUT/logs.tgz beside
+# $OUT/summary.txt (the device tool brings back at most 8 files); PACK=0 leaves the files as they are.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 stages=" $* "
@@ -14,7 +18,7 @@ summary=()
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
-    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/megatron/test_model.py} \
+    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/kernels/test_layer_norm.py tests/megatron/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
 fi
@@ -64,4 +68,52 @@ if [[ $stages == *" step "* ]]; then
     bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/step.log" | tail -n 12
   summary+=("step:" "$(cat "$OUT/step/train_ab.txt" 2>/dev/null)")
 fi
-printf '%s\n' "${summary[@]}"
+if [[ $stages == *" graphs "* ]]; then
+  # issue #33: the GPU test of graphed against eager training steps, then the step with CUDA
+  # graphs where it was not measured yet: with bf16 moments, with the Triton LayerNorm
+  # (MEGATRON_MOE_FUSED_NORM=1), and the Small pair at global batch 64
+  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/training/test_cuda_graphs.py \
+    2>&1 | tee "$OUT/gpu_graph_tests.log" | tail -n 15
+  summary+=("gpu graph tests: $(tail -n 1 "$OUT/gpu_graph_tests.log")")
+  OUT="$OUT/graphs" MB=32 GB=64 STEPS=30 MEASURE_FROM=15 PROFILE_STEP=25 RUNS="${GRAPH_RUNS:-gpt-xs-graph:gpt-xs:train.cuda_graphs=micro_batch \
+    dmoe-xs-graph:dmoe-xs:train.cuda_graphs=micro_batch \
+    dmoe-xs-graph-bf16m:dmoe-xs:train.cuda_graphs=micro_batch,train.adam_moments_dtype=bf16 \
+    gpt-xs-graph-norm:gpt-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=1 \
+    dmoe-xs-graph-norm:dmoe-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=1 \
+    gpt-small-graph:gpt-small:train.cuda_graphs=micro_batch dmoe-small-graph:dmoe-small:train.cuda_graphs=micro_batch}" \
+    bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/graphs.log" | tail -n 8
+  summary+=("graphs:" "$(cat "$OUT/graphs/train_ab.txt" 2>/dev/null)")
+fi
+if [[ $stages == *" tables "* ]]; then
+  # issue #35: tuning tables to ship in kernels/tuned/ for this GPU: each config's first step
+  # tuned from nothing (shipped tables not read), then again from its table alone; the configs'
+  # entries merged into $OUT/tables/<GPU>-triton<version>.json (the file to commit)
+  for cfg in ${TABLE_CONFIGS:-dmoe-xs dmoe-small}; do
+    python3 benchmarks/first_step.py --config "$cfg" --runs fresh,shipped --out "$OUT/tables/$cfg" 2>&1 | tail -n 5
+  done
+  python3 - "$OUT/tables" <<'EOF' | tee "$OUT/tables.log"
+import json, sys, pathlib
+root = pathlib.Path(sys.argv[1]); merged = {}
+for f in sorted(root.glob("*/*-triton*.json")):
+    data = json.loads(f.read_text())
+    merged.setdefault(f.name, {"triton": data.get("triton"), "entries": {}})["entries"].update(data["entries"])
+for name, data in merged.items():
+    (root / name).write_text(json.dumps(data, indent=1, sort_keys=True))
+    print(f"{name}: {len(data['entries'])} entries")
+EOF
+  summary+=("tables: $(tr '\n' ' ' < "$OUT/tables.log")")
+fi
+if [[ $stages == *" mlm "* ]]; then
+  # issue #32: Megatron-LM's pretrain_gpt.py with our layer (the README's commands, profiles);
+  # its start-up runs make in megatron/core/datasets, where the wheel has no Makefile
+  site=$(python3 -c "import megatron.core, os; print(os.path.dirname(megatron.core.__file__))")
+  [[ -e $site/datasets/Makefile ]] || printf 'all:\n\t@true\n' > "$site/datasets/Makefile"
+  MLM=${MLM:-.mlm} python3 benchmarks/megatron_lm.py --out "$OUT/mlm" \
+    --stages "${MLM_STAGES:-readme,profile-dmoe,profile-dense-sdpa,dmoe-cefusion}" 2>&1 | tee "$OUT/mlm.log" | tail -n 16
+  summary+=("mlm:" "$(tail -n 12 "$OUT/mlm.log")")
+fi
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+if [[ ${PACK:-1} == 1 ]]; then
+  tar czf /tmp/device_run_logs.tgz -C "$OUT" --exclude=summary.txt . && \
+    find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv /tmp/device_run_logs.tgz "$OUT/logs.tgz"
+fi

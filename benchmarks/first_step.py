@@ -5,7 +5,8 @@ without the tuned configs kept on disk (kernels/tuning.py) and Triton's compilat
 
 Four runs of two steps each (global batch 64, micro-batch 32, the built-in corpus):
 
-  fresh         empty Triton cache, empty tuning folder: a fresh machine today
+  fresh         empty Triton cache, empty tuning folder, kernels/tuned/ not read: a fresh machine
+                without shipped tables
   shipped       empty Triton cache, the tuning folder of 'fresh': a fresh machine with tables
                 shipped in kernels/tuned/
   warm          the Triton cache and tuning folder of 'fresh': a later run on the same machine
@@ -56,7 +57,8 @@ def main() -> int:
     shutil.rmtree(root, ignore_errors=True)
     caches = {n: root / f"triton-{n}" for n in ("fresh", "shipped")}
     tuning = root / "tuning"
-    plan = [("fresh", {"TRITON_CACHE_DIR": str(caches["fresh"]), "MEGATRON_MOE_TUNING_CACHE": str(tuning)}),
+    plan = [("fresh", {"TRITON_CACHE_DIR": str(caches["fresh"]), "MEGATRON_MOE_TUNING_CACHE": str(tuning),
+                       "MEGATRON_MOE_TUNING_SHIPPED": "0"}),
             ("shipped", {"TRITON_CACHE_DIR": str(caches["shipped"]), "MEGATRON_MOE_TUNING_CACHE": str(tuning)}),
             ("warm", {"TRITON_CACHE_DIR": str(caches["fresh"]), "MEGATRON_MOE_TUNING_CACHE": str(tuning)}),
             ("warm-untuned", {"TRITON_CACHE_DIR": str(caches["fresh"]), "MEGATRON_MOE_TUNING_CACHE": "0"})]

@@ -13,8 +13,12 @@
 |                         | through a tensor descriptor (sm_90+)      |                                               |
 | MEGATRON_MOE_TUNING_CACHE | tuned configs kept in                   | a folder: kept there; 0: not kept, not read   |
 |                         | ~/.cache/megatron-moe/tuning (tuning.py)  | (every process tunes)                         |
+| MEGATRON_MOE_TUNING_SHIPPED | the tables in kernels/tuned/ are read | 0: not read (a fresh machine without them)    |
+|                         | after the user's folder                   |                                               |
 | MEGATRON_MOE_FUSED_ROUTER | the router after its logits runs as   | 0: the plain-PyTorch router (~40 more torch   |
 |                         | kernels/router.py's fused kernels         | ops per layer step)                           |
+| MEGATRON_MOE_FUSED_NORM | LayerNorm is torch's (off until timed on | 1: kernels/layer_norm.py's kernels (the       |
+|                         | a GPU: docs/performance.md)               | weight gradients reduced in the same pass)    |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -24,7 +28,7 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``), so a test may set those after import. A choice
+each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``), so a test may set those after import. A choice
 already tuned for a key stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
 from __future__ import annotations
@@ -53,6 +57,12 @@ def tma_add() -> bool | None:
     return {"0": False, "1": True}.get(os.environ.get("MEGATRON_MOE_TMA_ADD"))
 
 
+def shipped_tuning() -> bool:
+    """MEGATRON_MOE_TUNING_SHIPPED != "0": read the tables shipped in kernels/tuned/ (0: a fresh
+    machine without them, as benchmarks/first_step.py measures one)."""
+    return os.environ.get("MEGATRON_MOE_TUNING_SHIPPED", "1") != "0"
+
+
 def tuning_cache() -> str | None:
     """MEGATRON_MOE_TUNING_CACHE: where kernels/tuning.py keeps tuned configs ("0": nowhere;
     unset: its default folder)."""
@@ -73,3 +83,8 @@ def w_tma() -> bool:
 def fused_router() -> bool:
     """MEGATRON_MOE_FUSED_ROUTER != "0": the router's scores, top-k and losses in fused kernels."""
     return os.environ.get("MEGATRON_MOE_FUSED_ROUTER", "1") != "0"
+
+
+def fused_norm() -> bool:
+    """MEGATRON_MOE_FUSED_NORM == "1": LayerNorm through kernels/layer_norm.py (off by default)."""
+    return os.environ.get("MEGATRON_MOE_FUSED_NORM", "0") == "1"

@@ -14,7 +14,7 @@ Where (one JSON file per GPU name and Triton version, ``NVIDIA-H100-80GB-HBM3-tr
   * ``$MEGATRON_MOE_TUNING_CACHE`` (a folder; ``0`` turns storing and reading off), else
     ``$XDG_CACHE_HOME/megatron-moe/tuning``, else ``~/.cache/megatron-moe/tuning``;
   * then the tables shipped with the package, ``kernels/tuned/`` (same file names), for a first
-    run on a fresh machine.
+    run on a fresh machine (``MEGATRON_MOE_TUNING_SHIPPED=0``: not read).
 An entry is keyed by the kernel's name, a hash of its source, its candidate configs and the A/B
 switches (kernels/switches.py; a changed kernel, config list or switch tunes again), and the
 launch key (shapes, dtypes, meta-parameters).
@@ -116,7 +116,7 @@ def stored_config(kernel, launch_key, device: torch.device):
     if user is None:
         return None
     key = entry_key(kernel, launch_key)
-    for path in (user, shipped_file(device)):
+    for path in (user, shipped_file(device)) if switches.shipped_tuning() else (user,):
         entry = _table(path).get(key)
         if isinstance(entry, dict):
             for cfg in kernel.configs:

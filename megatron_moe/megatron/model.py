@@ -39,12 +39,14 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.layer import DroplessMoE
 from megatron_moe.ops.cross_entropy import lm_cross_entropy
 
 from .model_config import ModelConfig
+from .norm import LayerNorm
 from .spec import DenseOrMoEMLP, gelu_tanh, moe_layer_spec, use_plain_linear
 
 __all__ = ["transformer_config", "init_megatron", "build_gpt_model", "layer_mlps", "moe_layers"]
@@ -157,7 +159,9 @@ def build_gpt_model(model_cfg: ModelConfig) -> GPTModel:
     with _quiet_unknown_mlp_warning():
         model = GPTModel(
             config=tcfg,
-            transformer_layer_spec=moe_layer_spec(model_cfg),
+            # the layers' spec, and our LayerNorm for the final norm too (megatron_moe/megatron/norm.py)
+            transformer_layer_spec=TransformerBlockSubmodules(
+                layer_specs=[moe_layer_spec(model_cfg)] * model_cfg.num_layers, layer_norm=LayerNorm),
             vocab_size=model_cfg.vocab_size,
             max_sequence_length=model_cfg.seq_length,
             pre_process=True,

@@ -3,7 +3,7 @@
     spec = moe_layer_spec(model_cfg)      # a ModuleSpec for megatron-core's TransformerLayer
     # or, from Megatron-LM: pretrain_gpt.py --spec megatron_moe.megatron.spec layer_spec
 
-megatron-core's local GPT layer spec (``get_gpt_layer_local_spec()``) with two submodules
+megatron-core's local GPT layer spec (``get_gpt_layer_local_spec()``) with these submodules
 replaced:
 
 * core attention -> :class:`~megatron_moe.megatron.attention.SDPAttention` (torch's
@@ -11,6 +11,8 @@ replaced:
 * the MLP -> :class:`DenseOrMoEMLP`, which runs, per layer (``ModelConfig.moe_config(layer_number)``),
   megatron-core's dense ``MLP`` or our ``DroplessMoE`` (any ``mlp_impl``, the capacity-factor
   MoE included), and returns ``(output, None)`` as megatron-core expects.
+* the two norms -> :class:`~megatron_moe.megatron.norm.LayerNorm` (torch's LayerNorm, the same
+  parameters and keys; the Triton kernels with ``MEGATRON_MOE_FUSED_NORM=1``).
 
 The MoE layer's aux loss (load balancing + z-loss) reaches the LM loss's gradient: the MLP
 output passes through an autograd function that returns it unchanged and, in backward, gives the
@@ -82,6 +84,7 @@ from .aux_loss import AuxLossToGrad, get_aux_loss_scale, log_aux_losses, set_aux
 from .flags import resolve_model_config
 from .grad_accum import attach_main_grad_sinks, install_wgrad_accumulation
 from .model_config import ModelConfig
+from .norm import LayerNorm
 from .yaml_config import ConfigError, apply_overrides, build_dataclass, find_config, read_config_file
 
 __all__ = ["moe_layer_spec", "layer_spec", "DenseOrMoEMLP", "AuxLossToGrad", "ColumnLinear", "RowLinear",
@@ -348,15 +351,17 @@ def model_config_from_env() -> ModelConfig:
 # specs and the model
 # ---------------------------------------------------------------------------------------------
 def moe_layer_spec(model_cfg: Optional[ModelConfig] = None) -> ModuleSpec:
-    """megatron-core's local GPT layer spec with SDPAttention and DenseOrMoEMLP (``model_cfg=None``:
-    read from $MEGATRON_MOE_CONFIG when the layers are built)."""
+    """megatron-core's local GPT layer spec with SDPAttention, DenseOrMoEMLP and our LayerNorm
+    (megatron_moe/megatron/norm.py; ``model_cfg=None``: read from $MEGATRON_MOE_CONFIG when the
+    layers are built)."""
     spec = get_gpt_layer_local_spec()
     sub = spec.submodules
     attn = sub.self_attention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
         attn.submodules, linear_qkv=ColumnLinear, core_attention=SDPAttention, linear_proj=RowLinear))
     mlp = ModuleSpec(module=DenseOrMoEMLP, params={"model_cfg": model_cfg})
-    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, self_attention=attn, mlp=mlp))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        sub, self_attention=attn, mlp=mlp, input_layernorm=LayerNorm, pre_mlp_layernorm=LayerNorm))
 
 
 # The attribute for Megatron-LM: pretrain_gpt.py --spec megatron_moe.megatron.spec layer_spec

@@ -9,7 +9,7 @@ so this script runs the real launch paths on CPU tensors with every launch turne
 for sm_90 (``JITFunction.run(..., warmup=True)`` under a stand-in driver that names the target):
 the layer forward and backward for each expert path, activation, dtype and router variant, the
 fp32 weight-gradient accumulation (TMA reduce-add and load-add-store), the expert-parallel
-permutation, the fused cross-entropy and AdamW. Nothing runs: buffers are zero-filled, so index
+permutation, the fused cross-entropy, AdamW and LayerNorm. Nothing runs: buffers are zero-filled, so index
 tensors stay in range for the torch ops between launches. One tile config per kernel
 (``MEGATRON_MOE_AUTOTUNE=0``). Must run in its own process: the kernels must be defined as JIT
 functions, not under ``TRITON_INTERPRET=1`` (tests/kernels/test_compile_hopper.py runs it).
@@ -156,6 +156,19 @@ def scenarios():
                         [torch.zeros_like(p, dtype=state) for p in params], hyper,
                         copies=[p.to(bf16) for p in params], grad_scale=torch.ones(()))
     yield "fused AdamW (fp32 and bf16 moments)", adamw
+
+    def norm():  # megatron_moe/ops/layer_norm.py with its switch on: hidden 512 and 2048, bf16
+        from megatron_moe.ops.layer_norm import layer_norm
+        os.environ["MEGATRON_MOE_FUSED_NORM"] = "1"
+        try:
+            for hidden in (512, 2048):
+                x = torch.randn(64, 2, hidden, dtype=bf16, requires_grad=True)
+                w = torch.ones(hidden, dtype=bf16, requires_grad=True)
+                b = torch.zeros(hidden, dtype=bf16, requires_grad=True)
+                layer_norm(x, w, b, 1e-5).sum().backward()
+        finally:
+            del os.environ["MEGATRON_MOE_FUSED_NORM"]
+    yield "LayerNorm", norm
 
 
 def main() -> int:

@@ -169,6 +169,16 @@ def test_the_shipped_table_serves_a_fresh_machine(env):
     assert k.tunings == 0 and k.fn.launches[-1]["BLOCK"] == 32
 
 
+def test_shipped_tables_off_tunes_again(env, monkeypatch):
+    launch(FakeAutotuner(configs(), FakeJIT()))
+    (env / "tuning").rename(env / "shipped")
+    new_process()
+    monkeypatch.setenv("MEGATRON_MOE_TUNING_SHIPPED", "0")
+    k = FakeAutotuner(configs(), FakeJIT(), best=0)
+    launch(k)
+    assert k.tunings == 1 and k.fn.launches[-1]["BLOCK"] == 16
+
+
 def test_entries_of_two_processes_are_merged(env):
     a = FakeAutotuner(configs(), FakeJIT())
     launch(a, tune_key=(64, 128))

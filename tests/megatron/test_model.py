@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
+from megatron_moe.kernels._common import use_triton
 from megatron_moe.training.flops import count_parameters, flops_per_token, peak_tflops
 from megatron_moe.megatron.model_config import ModelConfig, MoESection
 
@@ -269,6 +270,33 @@ def test_triton_paths_match_reference_in_the_model(ad, impl):
     ref.mean().backward()
     w, w_ref = ad.moe_layers(model)[0].experts.w1, ad.moe_layers(ref_model)[0].experts.w1
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=10 * tol, atol=tol / 10)
+
+
+@pytest.mark.skipif(not use_triton(torch.empty(0, device=DEVICE)), reason="the kernels run on GPUs or under the interpreter")
+def test_layer_norms_are_ours_and_the_fused_norm_changes_no_result(ad, monkeypatch):
+    """Every norm of the model (two per layer, the final one) is megatron_moe's LayerNorm, with
+    torch's state-dict keys; with MEGATRON_MOE_FUSED_NORM=1 (the Triton kernels) the loss and every
+    gradient equal torch's LayerNorm path's."""
+    from megatron_moe.megatron.norm import LayerNorm
+
+    cfg = tiny(moe={"num_experts": 4, "top_k": 2, "mlp_impl": "reference"}, seq_length=8)
+    model = ad.build_gpt_model(cfg)
+    norms = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * cfg.num_layers + 1
+    assert all(isinstance(model.get_submodule(n), LayerNorm) for n in norms)
+    assert "decoder.final_layernorm.weight" in model.state_dict()
+    tokens, pos, labels = batch(cfg)
+    results = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv("MEGATRON_MOE_FUSED_NORM", fused)
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, pos, attention_mask=None, labels=labels)
+        loss.mean().backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_t, grads_t), (loss_f, grads_f) = results
+    torch.testing.assert_close(loss_f, loss_t, rtol=1e-5, atol=1e-5)
+    for name in grads_t:
+        torch.testing.assert_close(grads_f[name], grads_t[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_aux_loss_gradient_reaches_router_through_lm_loss_alone(ad):

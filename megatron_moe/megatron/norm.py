@@ -1,0 +1,34 @@
+"""LayerNorm for megatron-core's layers: torch's LayerNorm (the same parameters, state-dict keys and
+initialisation) whose forward is megatron_moe.ops.layer_norm, the Triton kernels with
+``MEGATRON_MOE_FUSED_NORM=1`` on a GPU, else ``F.layer_norm``.
+
+A drop-in for megatron-core's ``WrappedTorchNorm`` (the local spec's norm), with its constructor:
+``LayerNorm(config, hidden_size, eps=1e-5)``. Used by ``megatron_moe.megatron.spec`` for each
+layer's two norms and by ``build_gpt_model`` for the final one.
+"""
+from __future__ import annotations
+
+from megatron_moe.megatron import require
+
+require("megatron")  # megatron-core, before its imports below
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from megatron_moe.ops.layer_norm import layer_norm
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused_kwargs):
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "sequence_parallel",
+                     "memory_efficient_layer_norm"):
+            if getattr(config, flag, False):
+                raise ValueError(f"megatron-moe's LayerNorm does not support TransformerConfig.{flag}=True "
+                                 f"(set it False; Megatron-LM: leave its flag off)")
+        if config.normalization != "LayerNorm":
+            raise ValueError(f"megatron-moe's layers use LayerNorm, got TransformerConfig.normalization="
+                             f"{config.normalization!r} (--normalization LayerNorm)")
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)

@@ -1,0 +1,38 @@
+"""LayerNorm as one autograd op over kernels/layer_norm.py: 1 launch forward, 1 backward (plus
+the sum of the weight and bias gradients' partials).
+
+    y = layer_norm(x, weight_N, bias_N, eps)
+
+On a GPU (or under the Triton interpreter) with ``MEGATRON_MOE_FUSED_NORM=1`` the Triton kernels;
+otherwise ``torch.nn.functional.layer_norm``. Off by default until measured on a GPU
+(docs/performance.md). The forward saves x and the fp32 mean and rstd per row.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_moe.kernels._common import use_triton
+from megatron_moe.kernels.layer_norm import MAX_N, layer_norm_bwd_triton, layer_norm_fwd_triton
+from megatron_moe.kernels.switches import fused_norm
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight_N, bias_N, eps):
+        y, mean_M, rstd_M = layer_norm_fwd_triton(x, weight_N, bias_N, eps)
+        ctx.save_for_backward(x, weight_N, mean_M, rstd_M)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight_N, mean_M, rstd_M = ctx.saved_tensors
+        dx, dweight_N, dbias_N = layer_norm_bwd_triton(dy, x, weight_N, mean_M, rstd_M)
+        return dx, dweight_N, dbias_N, None
+
+
+def layer_norm(x: torch.Tensor, weight_N: torch.Tensor, bias_N: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension (``weight_N`` and ``bias_N`` both given)."""
+    if fused_norm() and x.shape[-1] <= MAX_N and use_triton(x, weight_N, bias_N):
+        return _LayerNorm.apply(x, weight_N, bias_N, float(eps))
+    return F.layer_norm(x, (x.shape[-1],), weight_N, bias_N, eps)
