@@ -8,9 +8,9 @@ reduced in the backward's own pass.
   gradients are deterministic).
 
 Why: at hidden 512 PyTorch's LayerNorm backward reduces the weight and bias gradients in a
-separate column-reduction kernel, ``GammaBetaBackward``, which read x and dy at ~0.5 TB/s on an
-H200 (146 us per call at [32768, 512] bf16, 3.8 ms of a 67 ms dmoe-xs step with CUDA graphs:
-docs/performance.md). Here x and dy are read once for everything.
+separate column-reduction kernel, ``GammaBetaBackward``, far from the bandwidth floor on Hopper
+(docs/performance.md, "LayerNorm with its weight gradients in the backward's pass"). Here x and
+dy are read once for everything.
 
 Legend: M rows (tokens), N the normalised size (hidden), P programs of the backward.
 """

@@ -3,7 +3,8 @@ the sum of the weight and bias gradients' partials).
 
     y = layer_norm(x, weight_N, bias_N, eps)
 
-On a GPU (or under the Triton interpreter) with ``MEGATRON_MOE_FUSED_NORM=1`` the Triton kernels;
+On a GPU (or under the Triton interpreter) with ``MEGATRON_MOE_FUSED_NORM=1`` the Triton kernels,
+where they give torch's result (x, weight and bias of one dtype; no autocast over a 16-bit x);
 otherwise ``torch.nn.functional.layer_norm``. Off by default until measured on a GPU
 (docs/performance.md). The forward saves x and the fp32 mean and rstd per row.
 """
@@ -31,8 +32,18 @@ class _LayerNorm(torch.autograd.Function):
         return dx, dweight_N, dbias_N, None
 
 
+def _fused(x: torch.Tensor, weight_N: torch.Tensor, bias_N: torch.Tensor) -> bool:
+    """The kernels give torch's result here: one dtype for all three (the output's), and no
+    autocast that would run torch's LayerNorm in fp32 on a 16-bit x."""
+    if not (fused_norm() and x.shape[-1] <= MAX_N and x.dtype == weight_N.dtype == bias_N.dtype):
+        return False
+    if x.dtype != torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return False
+    return use_triton(x, weight_N, bias_N)
+
+
 def layer_norm(x: torch.Tensor, weight_N: torch.Tensor, bias_N: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension (``weight_N`` and ``bias_N`` both given)."""
-    if fused_norm() and x.shape[-1] <= MAX_N and use_triton(x, weight_N, bias_N):
+    if _fused(x, weight_N, bias_N):
         return _LayerNorm.apply(x, weight_N, bias_N, float(eps))
     return F.layer_norm(x, (x.shape[-1],), weight_N, bias_N, eps)

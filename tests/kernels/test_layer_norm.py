@@ -108,3 +108,20 @@ def test_switch_off_is_torchs_layer_norm(monkeypatch):
     calls = []
     monkeypatch.setattr("megatron_moe.ops.layer_norm._LayerNorm.apply", lambda *a: calls.append(a))
     assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (40,), w, b, 1e-5)) and not calls
+
+
+def test_torchs_path_where_the_kernels_would_differ(monkeypatch):
+    """Mixed dtypes, and a 16-bit x under autocast (which runs torch's LayerNorm in fp32): torch's
+    path and its result dtype; fp32 x under autocast: the kernels."""
+    calls = []
+    real = __import__("megatron_moe.ops.layer_norm", fromlist=["_LayerNorm"])._LayerNorm.apply
+    monkeypatch.setattr("megatron_moe.ops.layer_norm._LayerNorm.apply", lambda *a: calls.append(1) or real(*a))
+    x, w, b, _ = [t.to(DEVICE) for t in inputs((6, 32), torch.float32, seed=5)]
+    y = layer_norm(x.bfloat16(), w, b, 1e-5)
+    assert not calls and y.dtype == F.layer_norm(x.bfloat16(), (32,), w, b, 1e-5).dtype
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+        y = layer_norm(xb, wb, bb, 1e-5)
+        assert not calls and y.dtype == F.layer_norm(xb, (32,), wb, bb, 1e-5).dtype
+        y = layer_norm(x, w, b, 1e-5)
+        assert calls and y.dtype == torch.float32
