@@ -7,26 +7,34 @@
 # TABLE_CONFIGS ('tables'),
 # MLM_STAGES (benchmarks/megatron_lm.py's --stages for 'mlm'; Megatron-LM's files in $MLM, default
 # .mlm) narrow a stage. Set-up (optional wheels from .whl/, the kernels mapping):
-# benchmarks/device_env.sh. At the end everything under $OUT is packed into $OUT/logs.tgz beside
-# $OUT/summary.txt (the device tool brings back at most 8 files); PACK=0 leaves the files as they are.
+# benchmarks/device_env.sh. The stages write to a temporary folder, packed at the end into
+# $OUT/logs.tgz beside $OUT/summary.txt (the device tool brings back at most 8 files); PACK=0:
+# the stages write to $OUT itself.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+if [[ ${PACK:-1} == 1 ]]; then DEST=$OUT; OUT=$(mktemp -d); fi  # the stages write here; packed at the end
 stages=" $* "
 source benchmarks/device_env.sh
 write_env "$OUT/gpu.txt"; cat "$OUT/gpu.txt"
 summary=()
+pack() {  # what the stages wrote so far, into $DEST/logs.tgz (again after each stage: a call cut
+  # short at its time limit still brings back the stages before)
+  [[ ${PACK:-1} == 1 ]] && tar czf "$DEST/logs.tgz" -C "$OUT" . && printf '%s\n' "${summary[@]}" > "$DEST/summary.txt"
+  return 0
+}
+add() { summary+=("$@"); pack; }
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
     ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/kernels/test_layer_norm.py tests/megatron/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
-  summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
+  add "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 fi
 if [[ $stages == *" faults "* ]]; then
   # tests/training/test_faults.py on the GPU: its training runs use CUDA there, plus its GPU-only cases
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/training/test_faults.py \
     2>&1 | tee "$OUT/gpu_faults.log" | tail -n 25
-  summary+=("gpu faults: $(tail -n 1 "$OUT/gpu_faults.log")")
+  add "gpu faults: $(tail -n 1 "$OUT/gpu_faults.log")"
 fi
 if [[ $stages == *" profile "* ]]; then
   # per-kernel GPU time, host-bound check, tile sweep per grouped GEMM (benchmarks/profile_layer.py)
@@ -43,7 +51,7 @@ if [[ $stages == *" train "* ]]; then
       train.global_batch_size=64 train.train_iters=300 train.eval_interval=100 train.eval_iters=2 \
       train.save_interval=1000000 train.log_interval=20 ${TRAIN_OVERRIDES:-} 2>&1 | tee "$OUT/train_$cfg.log" | tail -n 4
     cp /tmp/runs/$cfg/metrics.jsonl "$OUT/metrics_$cfg.jsonl" 2>/dev/null
-    summary+=("train $cfg: $(python3 -c "import json,statistics as s;r=[json.loads(l) for l in open('/tmp/runs/$cfg/metrics.jsonl')];t=[x for x in r if x.get('tokens_per_s')][len(r)//10:];print('loss %.3f->%.3f val %s tok/s %.0f TFLOP/s %.1f MFU %s mem %.1fGB'%(r[0]['lm_loss'],r[-1]['lm_loss'],[x['val_loss'] for x in r if 'val_loss' in x][-1:],s.median(x['tokens_per_s'] for x in t),s.median(x['tflops_per_gpu'] for x in t),s.median(x['mfu'] for x in t),max(x['peak_mem_gb'] for x in t)))" 2>&1 | tail -1)")
+    add "train $cfg: $(python3 -c "import json,statistics as s;r=[json.loads(l) for l in open('/tmp/runs/$cfg/metrics.jsonl')];t=[x for x in r if x.get('tokens_per_s')][len(r)//10:];print('loss %.3f->%.3f val %s tok/s %.0f TFLOP/s %.1f MFU %s mem %.1fGB'%(r[0]['lm_loss'],r[-1]['lm_loss'],[x['val_loss'] for x in r if 'val_loss' in x][-1:],s.median(x['tokens_per_s'] for x in t),s.median(x['tflops_per_gpu'] for x in t),s.median(x['mfu'] for x in t),max(x['peak_mem_gb'] for x in t)))" 2>&1 | tail -1)"
   done
 fi
 if [[ $stages == *" router "* ]]; then
@@ -57,7 +65,7 @@ if [[ $stages == *" router "* ]]; then
       --configs ${ROUTER_CONFIGS:-paper-moe-m,fine-64e-top8,dmoe-small} --providers dense,triton_grouped \
       --out "$OUT/router_${n}_fused$fused.json" 2>&1 | tee -a "$OUT/router.log" | tail -n 8
   done
-  summary+=("router: $(tail -n 3 "$OUT/count.log" | tr '\n' ' ')")
+  add "router: $(tail -n 3 "$OUT/count.log" | tr '\n' ' ')"
 fi
 if [[ $stages == *" step "* ]]; then
   # the training step, eager against CUDA graphs and bf16 moments (issue #33): global batch 64 x 1024,
@@ -66,7 +74,7 @@ if [[ $stages == *" step "* ]]; then
     gpt-xs-graph:gpt-xs:train.cuda_graphs=micro_batch dmoe-xs:dmoe-xs \
     dmoe-xs-graph:dmoe-xs:train.cuda_graphs=micro_batch dmoe-xs-bf16m:dmoe-xs:train.adam_moments_dtype=bf16}" \
     bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/step.log" | tail -n 12
-  summary+=("step:" "$(cat "$OUT/step/train_ab.txt" 2>/dev/null)")
+  add "step:" "$(cat "$OUT/step/train_ab.txt" 2>/dev/null)"
 fi
 if [[ $stages == *" graphs "* ]]; then
   # issue #33: the GPU test of graphed against eager training steps, then the step with CUDA
@@ -74,7 +82,7 @@ if [[ $stages == *" graphs "* ]]; then
   # (MEGATRON_MOE_FUSED_NORM=1), and the Small pair at global batch 64
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/training/test_cuda_graphs.py \
     2>&1 | tee "$OUT/gpu_graph_tests.log" | tail -n 15
-  summary+=("gpu graph tests: $(tail -n 1 "$OUT/gpu_graph_tests.log")")
+  add "gpu graph tests: $(tail -n 1 "$OUT/gpu_graph_tests.log")"
   OUT="$OUT/graphs" MB=32 GB=64 STEPS=30 MEASURE_FROM=15 PROFILE_STEP=25 RUNS="${GRAPH_RUNS:-gpt-xs-graph:gpt-xs:train.cuda_graphs=micro_batch \
     dmoe-xs-graph:dmoe-xs:train.cuda_graphs=micro_batch \
     dmoe-xs-graph-bf16m:dmoe-xs:train.cuda_graphs=micro_batch,train.adam_moments_dtype=bf16 \
@@ -82,7 +90,7 @@ if [[ $stages == *" graphs "* ]]; then
     dmoe-xs-graph-norm:dmoe-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=1 \
     gpt-small-graph:gpt-small:train.cuda_graphs=micro_batch dmoe-small-graph:dmoe-small:train.cuda_graphs=micro_batch}" \
     bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/graphs.log" | tail -n 8
-  summary+=("graphs:" "$(cat "$OUT/graphs/train_ab.txt" 2>/dev/null)")
+  add "graphs:" "$(cat "$OUT/graphs/train_ab.txt" 2>/dev/null)"
 fi
 if [[ $stages == *" tables "* ]]; then
   # issue #35: tuning tables to ship in kernels/tuned/ for this GPU: each config's first step
@@ -101,7 +109,7 @@ for name, data in merged.items():
     (root / name).write_text(json.dumps(data, indent=1, sort_keys=True))
     print(f"{name}: {len(data['entries'])} entries")
 EOF
-  summary+=("tables: $(tr '\n' ' ' < "$OUT/tables.log")")
+  add "tables: $(tr '\n' ' ' < "$OUT/tables.log")"
 fi
 if [[ $stages == *" mlm "* ]]; then
   # issue #32: Megatron-LM's pretrain_gpt.py with our layer (the README's commands, profiles);
@@ -110,10 +118,7 @@ if [[ $stages == *" mlm "* ]]; then
   [[ -e $site/datasets/Makefile ]] || printf 'all:\n\t@true\n' > "$site/datasets/Makefile"
   MLM=${MLM:-.mlm} python3 benchmarks/megatron_lm.py --out "$OUT/mlm" \
     --stages "${MLM_STAGES:-readme,profile-dmoe,profile-dense-sdpa,dmoe-cefusion}" 2>&1 | tee "$OUT/mlm.log" | tail -n 16
-  summary+=("mlm:" "$(tail -n 12 "$OUT/mlm.log")")
+  add "mlm:" "$(tail -n 12 "$OUT/mlm.log")"
 fi
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
-if [[ ${PACK:-1} == 1 ]]; then
-  tar czf /tmp/device_run_logs.tgz -C "$OUT" --exclude=summary.txt . && \
-    find "$OUT" -mindepth 1 ! -name summary.txt -delete && mv /tmp/device_run_logs.tgz "$OUT/logs.tgz"
-fi
+pack
