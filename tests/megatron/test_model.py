@@ -299,6 +299,28 @@ def test_layer_norms_are_ours_and_the_fused_norm_changes_no_result(ad, monkeypat
         torch.testing.assert_close(grads_f[name], grads_t[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_norm_module_is_torchs_layer_norm_elsewhere_megatrons_norm(ad):
+    """Our LayerNorm module: torch's LayerNorm forward with the switch off, copyable; under
+    another normalization (RMSNorm) megatron-core's own module, as the local spec gave; a config
+    flag it cannot honour is one clear error."""
+    import copy
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_moe.megatron.norm import LayerNorm
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2)
+    norm = LayerNorm(cfg, 16, eps=1e-5)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(norm(x), torch.nn.functional.layer_norm(x, (16,), norm.weight, norm.bias, 1e-5),
+                               rtol=0, atol=0)
+    assert torch.equal(copy.deepcopy(norm)(x), norm(x))
+    rms = LayerNorm(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, normalization="RMSNorm"), 16)
+    assert type(rms) is torch.nn.RMSNorm
+    with pytest.raises(ValueError, match="TransformerConfig.persist_layer_norm=True"):
+        LayerNorm(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, persist_layer_norm=True), 16)
+
+
 def test_aux_loss_gradient_reaches_router_through_lm_loss_alone(ad):
     cfg = tiny(moe={"num_experts": 4, "top_k": 2, "mlp_impl": "reference", "aux_loss_coeff": 0.5,
                     "z_loss_coeff": 0.1, "moe_layer_freq": 2}, num_layers=3)
