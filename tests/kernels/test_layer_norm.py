@@ -2,7 +2,8 @@
 autograd of torch's LayerNorm: the output and the gradients of x, weight and bias, for fp32 and
 bf16 inputs, on the edges (one row, rows not a multiple of the row block, hidden not a power of
 two, more rows than the backward's programs, a large mean). Also: the weight gradients are the
-same in two runs (a fixed order of the partial sums), the switch, the megatron-core module.
+same in two runs (a fixed order of the partial sums); the switch, and torch's path where the
+kernels' result dtype would differ. The module in the model: tests/megatron/test_model.py.
 
 On the CPU the kernels run under the Triton interpreter (tests/conftest.py): small shapes only.
 """
