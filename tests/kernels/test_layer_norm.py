@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_moe.kernels._common import use_triton
+import megatron_moe.ops.layer_norm as ops_layer_norm
+from _util import triton_kernels_run
 from megatron_moe.kernels.layer_norm import layer_norm_bwd_triton, layer_norm_fwd_triton, layer_norm_reference
 from megatron_moe.ops.layer_norm import layer_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernels = pytest.mark.skipif(not use_triton(torch.empty(0, device=DEVICE)),
-                                   reason="the kernels run on GPUs or under the Triton interpreter")
-pytestmark = needs_kernels
+pytestmark = pytest.mark.skipif(not triton_kernels_run(),
+                                reason="the Triton kernels run on GPUs or under the Triton interpreter")
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +107,7 @@ def test_switch_off_is_torchs_layer_norm(monkeypatch):
     monkeypatch.delenv("MEGATRON_MOE_FUSED_NORM")
     x, w, b, _ = [t.to(DEVICE) for t in inputs((9, 40), torch.float32, seed=4)]
     calls = []
-    monkeypatch.setattr("megatron_moe.ops.layer_norm._LayerNorm.apply", lambda *a: calls.append(a))
+    monkeypatch.setattr(ops_layer_norm._LayerNorm, "apply", lambda *a: calls.append(a))
     assert torch.equal(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (40,), w, b, 1e-5)) and not calls
 
 
@@ -115,8 +115,8 @@ def test_torchs_path_where_the_kernels_would_differ(monkeypatch):
     """Mixed dtypes, and a 16-bit x under autocast (which runs torch's LayerNorm in fp32): torch's
     path and its result dtype; fp32 x under autocast: the kernels."""
     calls = []
-    real = __import__("megatron_moe.ops.layer_norm", fromlist=["_LayerNorm"])._LayerNorm.apply
-    monkeypatch.setattr("megatron_moe.ops.layer_norm._LayerNorm.apply", lambda *a: calls.append(1) or real(*a))
+    real = ops_layer_norm._LayerNorm.apply
+    monkeypatch.setattr(ops_layer_norm._LayerNorm, "apply", lambda *a: calls.append(1) or real(*a))
     x, w, b, _ = [t.to(DEVICE) for t in inputs((6, 32), torch.float32, seed=5)]
     y = layer_norm(x.bfloat16(), w, b, 1e-5)
     assert not calls and y.dtype == F.layer_norm(x.bfloat16(), (32,), w, b, 1e-5).dtype

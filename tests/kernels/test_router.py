@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_moe.kernels._common import use_triton
+from _util import needs_triton_kernels, triton_kernels_run
 from megatron_moe.kernels.router import _blocks, route_reference
 from megatron_moe.ops.route import route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FUSED = use_triton(torch.empty(0, device=DEVICE))  # the kernels run: a GPU, or the CPU under the interpreter
-needs_fused = pytest.mark.skipif(not FUSED, reason="the fused kernels run on GPUs or under the Triton interpreter")
 
 
 def float64_reference(logits, bias, top_k, dw, daux, dz, **kw):
@@ -87,7 +85,7 @@ def test_all_tokens_to_one_expert_and_zero_coefficients():
     torch.testing.assert_close(got[5].double(), want[5], rtol=1e-4, atol=1e-7)
 
 
-@needs_fused
+@needs_triton_kernels
 def test_ties_take_the_lowest_expert():
     """Equal scores: the kernel takes the lowest expert first (torch.topk leaves the order open)."""
     logits = torch.zeros(7, 5)
@@ -144,7 +142,7 @@ def test_switch_and_reference_impl_take_the_plain_pytorch_router(monkeypatch):
     monkeypatch.setenv("MEGATRON_MOE_FUSED_ROUTER", "0")
     switched = route(logits, None, 2, aux_coeff=0.01)
     names = [type(r[1].grad_fn).__name__ for r in (fused, plain, switched)]
-    if FUSED:
+    if triton_kernels_run():
         assert names[0] == "_RouteBackward" and names[1] != "_RouteBackward" and names[2] == names[1]
     for r in (plain, switched):
         assert torch.equal(r[0], fused[0]) and torch.equal(r[2], fused[2])
@@ -152,7 +150,7 @@ def test_switch_and_reference_impl_take_the_plain_pytorch_router(monkeypatch):
         torch.testing.assert_close(r[3], fused[3])
 
 
-@needs_fused
+@needs_triton_kernels
 def test_router_step_is_three_launches():
     """benchmarks/count_launches.py's count of one router forward and backward: the logits GEMM
     and two launches forward, one launch backward, none of the ~40 element-wise torch ops of the

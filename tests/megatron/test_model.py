@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from megatron_moe.kernels._common import use_triton
+from _util import needs_triton_kernels
 from megatron_moe.training.flops import count_parameters, flops_per_token, peak_tflops
 from megatron_moe.megatron.model_config import ModelConfig, MoESection
 
@@ -272,7 +272,7 @@ def test_triton_paths_match_reference_in_the_model(ad, impl):
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=10 * tol, atol=tol / 10)
 
 
-@pytest.mark.skipif(not use_triton(torch.empty(0, device=DEVICE)), reason="the kernels run on GPUs or under the interpreter")
+@needs_triton_kernels
 def test_layer_norms_are_ours_and_the_fused_norm_changes_no_result(ad, monkeypatch):
     """Every norm of the model (two per layer, the final one) is megatron_moe's LayerNorm, with
     torch's state-dict keys; with MEGATRON_MOE_FUSED_NORM=1 (the Triton kernels) the loss and every
