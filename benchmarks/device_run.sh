@@ -8,8 +8,9 @@
 # MLM_STAGES (benchmarks/megatron_lm.py's --stages for 'mlm'; Megatron-LM's files in $MLM, default
 # .mlm) narrow a stage. Set-up (optional wheels from .whl/, the kernels mapping):
 # benchmarks/device_env.sh. The stages write to a temporary folder, packed at the end into
-# $OUT/logs.tgz beside $OUT/summary.txt (the device tool brings back at most 8 files); PACK=0:
-# the stages write to $OUT itself.
+# $OUT/logs.tgz beside $OUT/summary.txt (the device tool brings back at most 8 files), again
+# after each stage and every 60 s (a call cut short at its time limit still brings back the logs
+# so far); PACK=0: the stages write to $OUT itself.
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 if [[ ${PACK:-1} == 1 ]]; then DEST=$OUT; OUT=$(mktemp -d); fi  # the stages write here; packed at the end
@@ -23,6 +24,13 @@ pack() {  # what the stages wrote so far, into $DEST/logs.tgz (again after each 
   return 0
 }
 add() { summary+=("$@"); pack; }
+if [[ ${PACK:-1} == 1 ]]; then  # and every 60 s, so a stage cut short at the call's limit still brings back its logs
+  ( trap 'exit 0' TERM  # a wait, unlike a foreground sleep, returns at once on the signal
+    while true; do sleep 60 & wait $!
+      tar czf /tmp/device_run_logs.tgz -C "$OUT" . 2>/dev/null && cp /tmp/device_run_logs.tgz "$DEST/logs.tgz"; done ) &
+  packer=$!
+  trap 'kill $packer 2>/dev/null' EXIT
+fi
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
@@ -78,16 +86,16 @@ if [[ $stages == *" step "* ]]; then
 fi
 if [[ $stages == *" graphs "* ]]; then
   # issue #33: the GPU test of graphed against eager training steps, then the step with CUDA
-  # graphs where it was not measured yet: with bf16 moments, with the Triton LayerNorm
-  # (MEGATRON_MOE_FUSED_NORM=1), and the Small pair at global batch 64
+  # graphs: with bf16 moments, with torch's LayerNorm instead of ours (MEGATRON_MOE_FUSED_NORM=0),
+  # and the Small pair at global batch 64
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/training/test_cuda_graphs.py \
     2>&1 | tee "$OUT/gpu_graph_tests.log" | tail -n 15
   add "gpu graph tests: $(tail -n 1 "$OUT/gpu_graph_tests.log")"
   OUT="$OUT/graphs" MB=32 GB=64 STEPS=30 MEASURE_FROM=15 PROFILE_STEP=25 RUNS="${GRAPH_RUNS:-gpt-xs-graph:gpt-xs:train.cuda_graphs=micro_batch \
     dmoe-xs-graph:dmoe-xs:train.cuda_graphs=micro_batch \
     dmoe-xs-graph-bf16m:dmoe-xs:train.cuda_graphs=micro_batch,train.adam_moments_dtype=bf16 \
-    gpt-xs-graph-norm:gpt-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=1 \
-    dmoe-xs-graph-norm:dmoe-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=1 \
+    gpt-xs-graph-torchnorm:gpt-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=0 \
+    dmoe-xs-graph-torchnorm:dmoe-xs:train.cuda_graphs=micro_batch,MEGATRON_MOE_FUSED_NORM=0 \
     gpt-small-graph:gpt-small:train.cuda_graphs=micro_batch dmoe-small-graph:dmoe-small:train.cuda_graphs=micro_batch}" \
     bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/graphs.log" | tail -n 8
   add "graphs:" "$(cat "$OUT/graphs/train_ab.txt" 2>/dev/null)"
@@ -121,4 +129,5 @@ if [[ $stages == *" mlm "* ]]; then
   add "mlm:" "$(tail -n 12 "$OUT/mlm.log")"
 fi
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+[[ -n ${packer:-} ]] && kill "$packer" 2>/dev/null && wait "$packer" 2>/dev/null  # before the last pack
 pack

@@ -34,6 +34,12 @@ no dropout):
                prints for dmoe-xs (its own batch: 512 x 1024 tokens, micro-batch 16) with --save,
                run twice (steps 1-20 with a checkpoint, then resumed to 40), against one run of the
                same command straight to 40 without checkpoints; losses compared step by step
+               (MLM_README_FLAGS: more flags, e.g. --deterministic-mode; MLM_README_OVERRIDES: more
+               overrides, e.g. train.global_batch_size=64)
+  ep           on every GPU of the machine (N): the dmoe run at expert-parallel size 1, 2, 4, ...
+               up to N (--expert-model-parallel-size; data-parallel N), micro-batch 8,
+               --deterministic-mode: each size's losses against size 1's, tokens/s per GPU
+               (issue #36; on one GPU it runs size 1 alone)
   profile-dmoe, profile-dense-sdpa   step 30 of the dmoe / dense-sdpa run under torch.profiler
                (Megatron-LM's --profile --use-pytorch-profiler): GPU time by kernel, GPU busy
                time against the step's wall time, in profile_NAME.txt
@@ -74,11 +80,15 @@ ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration 
 
 
 def megatron_lm(name: str, out: Path, mlm: Path, extra: list[str], env: dict | None = None,
-                timeout: int = 900, drop: tuple[str, ...] = (), flags: list[str] | None = None) -> dict:
+                timeout: int = 900, drop: tuple[str, ...] = (), flags: list[str] | None = None,
+                nproc: int = 1, micro: int | None = None) -> dict:
     """One pretrain_gpt.py run; its per-iteration times, TFLOP/s and losses (``drop``: flags of
-    TRAIN left out; ``flags``: all of pretrain_gpt.py's flags instead of MODEL, TRAIN and extra)."""
+    TRAIN left out; ``flags``: all of pretrain_gpt.py's flags instead of MODEL, TRAIN and extra;
+    ``nproc``: GPUs, tokens/s per GPU; ``micro``: the micro-batch instead of MB)."""
     train = [a for a in TRAIN if a not in drop]
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", str(Path(__file__).with_name("_mlm_launch.py")),
+    if micro is not None:
+        train[train.index("--micro-batch-size") + 1] = str(micro)
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), str(Path(__file__).with_name("_mlm_launch.py")),
            str(mlm / "pretrain_gpt.py"), *(flags if flags is not None else [*MODEL, *train, *extra])]
     log = out / f"mlm_{name}.log"
     t0 = time.time()
@@ -94,7 +104,7 @@ def megatron_lm(name: str, out: Path, mlm: Path, extra: list[str], env: dict | N
     if late:
         ms = statistics.median(r[0] for r in late)
         result["ms_per_step"] = ms
-        result["tokens_per_s"] = GB * SEQ / (ms / 1000)
+        result["tokens_per_s"] = GB * SEQ / (ms / 1000) / nproc
         tf = [r[1] for r in late if r[1] is not None]
         result["tflops"] = statistics.median(tf) if tf else None
     if rc != 0:
@@ -168,14 +178,20 @@ def readme(out: Path, mlm: Path, record) -> None:
 
     ckpt = Path("/tmp/mlm-readme-ckpt")
     shutil.rmtree(ckpt, ignore_errors=True)
-    cfg = load_config(find_config("dmoe-xs"), README_OVERRIDES)
-    flags, env, _ = megatron_lm_command(cfg, "dmoe-xs", README_OVERRIDES, 1, save=str(ckpt))
+    overrides = README_OVERRIDES + os.environ.get("MLM_README_OVERRIDES", "").split()
+    more = os.environ.get("MLM_README_FLAGS", "").split()  # e.g. --deterministic-mode
+    cfg = load_config(find_config("dmoe-xs"), overrides)
+    flags, env, _ = megatron_lm_command(cfg, "dmoe-xs", overrides, 1, save=str(ckpt))
+    flags = flags + more
+    if "--deterministic-mode" in more:
+        env = {**env, "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     (out / "readme_command.txt").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + " pretrain_gpt.py "
                                            + " ".join(flags) + "\n")
     first = megatron_lm("readme-1", out, mlm, [], env=env, flags=flags)
     second = megatron_lm("readme-2", out, mlm, [], env=env, flags=flags)
-    straight_cfg = load_config(find_config("dmoe-xs"), README_OVERRIDES + ["train.exit_interval=null"])
-    straight_flags, _, _ = megatron_lm_command(straight_cfg, "dmoe-xs", README_OVERRIDES, 1)
+    straight_cfg = load_config(find_config("dmoe-xs"), overrides + ["train.exit_interval=null"])
+    straight_flags, _, _ = megatron_lm_command(straight_cfg, "dmoe-xs", overrides, 1)
+    straight_flags = straight_flags + more
     straight = megatron_lm("readme-straight", out, mlm, [], env=env, flags=straight_flags)
     for r in (first, second, straight):
         r.pop("ms_per_step", None)  # medians over steps 21-40 of a 512-sequence batch: not the table's
@@ -247,6 +263,14 @@ def main() -> int:
         record(megatron_lm("mcore-moe", out, mlm, MOE_FLAGS + ["--no-bias-gelu-fusion", "--disable-bias-linear"]))
     if "ours" in stages:
         record(our_trainer(out))
+    if "ep" in stages:  # issue #36: Megatron's expert parallelism with our layer, on every GPU here
+        import torch
+
+        n = torch.cuda.device_count()
+        for ep in [p for p in (1, 2, 4, 8) if p <= n and n % p == 0]:
+            r = megatron_lm(f"ep{ep}-of-{n}", out, mlm, SPEC + MOE_FLAGS + [
+                "--expert-model-parallel-size", str(ep), "--deterministic-mode"], env=det_env, nproc=n, micro=8)
+            record(against(r, f"ep1-of-{n}") if ep > 1 else r)
     if "readme" in stages:
         readme(out, mlm, record)
     for name, extra, env in (("dmoe", SPEC + MOE_FLAGS, None),

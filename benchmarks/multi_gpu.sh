@@ -18,7 +18,9 @@
 # -sigmoid-padded); scaling is against the same CONFIG on the fewest GPUs whose variant words
 # are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are skipped once DEADLINE seconds (default 560) are
 # near, so what ran still comes back. MOE_EXTRA: overrides for every MoE run. Medians over
-# the steps after MEASURE_FROM (default STEPS/4); "busiest" is the busiest expert's share of
+# the steps after MEASURE_FROM (default STEPS/4); GRAPHS: every run's train.cuda_graphs (default
+# none: runs on several GPUs are eager under the default 'auto', so the one-GPU runs are too);
+# "busiest" is the busiest expert's share of
 # the tokens, averaged over MoE layers (1/E balanced, 1 collapsed), median over those steps;
 # "rank imb" the busiest expert-parallel rank's tokens over the mean rank's (metrics.py).
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
@@ -50,7 +52,7 @@ run_one() {  # name config gpus ep [overrides]
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
     -m megatron_moe.training --config "configs/$cfg.yaml" name="$name" logging.wandb=false \
-    logging.runs_dir=/tmp/mg "${extra[@]}" \
+    logging.runs_dir=/tmp/mg train.cuda_graphs="${GRAPHS:-none}" "${extra[@]}" \
     train.micro_batch_size="$mb" train.global_batch_size=$((mb * ACC * n)) train.train_iters="$STEPS" \
     train.lr_warmup_iters=$((STEPS / 4)) train.eval_interval=0 train.save_interval=0 train.save_final=false \
     train.log_interval=5 > "$OUT/$name.log" 2>&1

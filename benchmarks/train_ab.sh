@@ -9,6 +9,8 @@
 # STEPS (default 8), MB (micro-batch, default 64), GB (global batch, default MB), PROFILE_STEP
 # (default 6; "mb=N" in a run's overrides sets its own micro-batch; an upper-case NAME=VALUE there
 # is an environment variable of that run, e.g. MEGATRON_MOE_TMA_ADD=0);
+# GRAPHS: every run's train.cuda_graphs before its own overrides (default none: eager, so that an
+# A/B names its CUDA-graph runs; auto for the trainer's default);
 # medians over the steps after MEASURE_FROM (default 3); 'step1 s' is the first step's time
 # (autotuning, CUDA-graph capture). Everything lands in $OUT/train_ab.tgz
 # (logs, metrics.jsonl, profile tables) and $OUT/train_ab.txt (the table).
@@ -30,7 +32,7 @@ for spec in ${RUNS:?RUNS is empty}; do
     --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
     train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \
     train.lr_warmup_iters=2 train.eval_interval=0 train.save_interval=0 train.save_final=false \
-    train.log_interval=1 data.default_corpus_mb=20 "${extra[@]}" > "$W/$name.log" 2>&1
+    train.log_interval=1 data.default_corpus_mb=20 train.cuda_graphs="${GRAPHS:-none}" "${extra[@]}" > "$W/$name.log" 2>&1
   echo "$name exit $? ($(grep -m1 -E '^done|Error' "$W/$name.log" | cut -c1-120))"
   cp /tmp/ab/"$name"/metrics.jsonl "$W/$name.jsonl" 2>/dev/null
   cp /tmp/ab/"$name"/profile_step*_rank0.txt "$W/$name.profile.txt" 2>/dev/null

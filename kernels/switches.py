@@ -17,8 +17,9 @@
 |                         | after the user's folder                   |                                               |
 | MEGATRON_MOE_FUSED_ROUTER | the router after its logits runs as   | 0: the plain-PyTorch router (~40 more torch   |
 |                         | kernels/router.py's fused kernels         | ops per layer step)                           |
-| MEGATRON_MOE_FUSED_NORM | LayerNorm is torch's (off until timed on | 1: kernels/layer_norm.py's kernels (the       |
-|                         | a GPU: docs/performance.md)               | weight gradients reduced in the same pass)    |
+| MEGATRON_MOE_FUSED_NORM | LayerNorm runs kernels/layer_norm.py's    | 0: torch's LayerNorm                          |
+|                         | kernels (the weight gradients reduced in  |                                               |
+|                         | the backward's own pass)                  |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -86,5 +87,5 @@ def fused_router() -> bool:
 
 
 def fused_norm() -> bool:
-    """MEGATRON_MOE_FUSED_NORM == "1": LayerNorm through kernels/layer_norm.py (off by default)."""
-    return os.environ.get("MEGATRON_MOE_FUSED_NORM", "0") == "1"
+    """MEGATRON_MOE_FUSED_NORM != "0": LayerNorm through kernels/layer_norm.py."""
+    return os.environ.get("MEGATRON_MOE_FUSED_NORM", "1") != "0"

@@ -1,6 +1,6 @@
 """LayerNorm for megatron-core's layers: torch's LayerNorm (the same parameters, state-dict keys and
-initialisation) whose forward is megatron_moe.ops.layer_norm, the Triton kernels with
-``MEGATRON_MOE_FUSED_NORM=1`` on a GPU, else ``F.layer_norm``.
+initialisation) whose forward is megatron_moe.ops.layer_norm: the Triton kernels on a GPU
+(``MEGATRON_MOE_FUSED_NORM=0``: torch's), else ``F.layer_norm``.
 
 A drop-in for megatron-core's ``WrappedTorchNorm`` (the local spec's norm), with its constructor:
 ``LayerNorm(config, hidden_size, eps=1e-5)``; with ``config.normalization`` other than LayerNorm

@@ -12,7 +12,7 @@ replaced:
   megatron-core's dense ``MLP`` or our ``DroplessMoE`` (any ``mlp_impl``, the capacity-factor
   MoE included), and returns ``(output, None)`` as megatron-core expects.
 * the two norms -> :class:`~megatron_moe.megatron.norm.LayerNorm` (torch's LayerNorm, the same
-  parameters and keys; the Triton kernels with ``MEGATRON_MOE_FUSED_NORM=1``).
+  parameters and keys; the Triton kernels on a GPU).
 
 The MoE layer's aux loss (load balancing + z-loss) reaches the LM loss's gradient: the MLP
 output passes through an autograd function that returns it unchanged and, in backward, gives the

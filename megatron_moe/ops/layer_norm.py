@@ -3,10 +3,10 @@ the sum of the weight and bias gradients' partials).
 
     y = layer_norm(x, weight_N, bias_N, eps)
 
-On a GPU (or under the Triton interpreter) with ``MEGATRON_MOE_FUSED_NORM=1`` the Triton kernels,
-where they give torch's result (x, weight and bias of one dtype; no autocast over a 16-bit x);
-otherwise ``torch.nn.functional.layer_norm``. Off by default until measured on a GPU
-(docs/performance.md). The forward saves x and the fp32 mean and rstd per row.
+On a GPU (or under the Triton interpreter) the Triton kernels, where they give torch's result
+(x, weight and bias of one dtype; no autocast over a 16-bit x); otherwise, or with
+``MEGATRON_MOE_FUSED_NORM=0``, ``torch.nn.functional.layer_norm``. The forward saves x and the
+fp32 mean and rstd per row.
 """
 from __future__ import annotations
 

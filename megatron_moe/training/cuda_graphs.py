@@ -2,8 +2,8 @@
 
     megatron-moe-train --config dmoe-xs train.cuda_graphs=micro_batch
 
-``none`` (the default) runs every micro-batch eagerly: the host issues each kernel of the
-forward and the backward, a few thousand launches per micro-batch at XS sizes.
+``none`` runs every micro-batch eagerly: the host issues each kernel of the forward and the
+backward, a few thousand launches per micro-batch at XS sizes.
 ``micro_batch`` captures the forward, the loss and the backward of one micro-batch into a CUDA
 graph once, at the first step, and replays it for every micro-batch after: one launch for all
 of them. What stays eager per step: copying each micro-batch into the graph's input buffers,
@@ -36,6 +36,11 @@ a host synchronisation inside the forward or the backward, i.e. ``model.moe.mlp_
 host), ``MEGATRON_MOE_CHECK_FINITE``; a run on the CPU. Data parallelism works, with the
 gradient reduction after the backward instead of overlapped with it (the backward's
 per-parameter hooks that start bucket reductions run only at capture).
+
+``auto`` (the default, :func:`resolve_mode`) is ``micro_batch`` for a run of one process on a
+GPU whose model passes :func:`check_supported`, and ``none`` otherwise: on the CPU, under data or
+expert parallelism (where the eager step overlaps the gradient reduction with the backward), and
+for what a graph cannot hold (the trainer prints which).
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["MicroBatchGraph", "EagerReplay", "check_supported"]
+__all__ = ["MicroBatchGraph", "EagerReplay", "check_supported", "resolve_mode"]
 
 _NO_GRAPH_IMPLS = ("reference", "capacity")  # their forward reads device values on the host
 
@@ -53,7 +58,7 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
                     simulated: bool = False) -> None:
     """Refuse what a CUDA graph of the micro-batch cannot hold (ValueError, one line naming the
     setting and the fix). ``simulated``: tests run :class:`EagerReplay` on the CPU."""
-    if mode == "none":
+    if mode in ("none", "auto"):  # auto: resolve_mode decides, and never refuses
         return
     off = "or train.cuda_graphs=none"
     if device.type != "cuda" and not simulated:
@@ -75,6 +80,25 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
             raise ValueError(f"MEGATRON_MOE_CHECK_FINITE=1 reads the layer input's non-finite count on the "
                              f"host in every forward, which a CUDA graph cannot hold: unset it {off}")
 
+
+
+def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int, world_size: int,
+                 simulated: bool = False) -> tuple[str, str]:
+    """``train.cuda_graphs`` as the run applies it, and why ``auto`` gave ``none`` ("" otherwise):
+    ``auto`` is ``micro_batch`` on a GPU (or ``simulated``) in a one-process run that
+    :func:`check_supported` accepts, else ``none``; the other modes are themselves."""
+    if mode != "auto":
+        return mode, ""
+    if device.type != "cuda" and not simulated:
+        return "none", f"the run is on the {device.type}"
+    if world_size > 1:
+        return "none", (f"{world_size} processes: eager steps overlap the gradient reduction with the "
+                        "backward")
+    try:
+        check_supported("micro_batch", device=device, layers=layers, ep_size=ep_size, simulated=simulated)
+    except ValueError as e:
+        return "none", str(e).split(": ")[0]
+    return "micro_batch", ""
 
 class _CudaGraphs:
     """The real thing: warm-up on a side stream, capture, replay."""

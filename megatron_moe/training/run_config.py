@@ -35,7 +35,7 @@ __all__ = ["TrainConfig", "LoggingConfig", "RunConfig", "load_config", "config_f
 
 SECTIONS = ("name", "model", "train", "data", "logging")
 WANDB_MODES = ("auto", "online", "offline")
-CUDA_GRAPH_MODES = ("none", "micro_batch")  # train.cuda_graphs (cuda_graphs.py)
+CUDA_GRAPH_MODES = ("auto", "micro_batch", "none")  # train.cuda_graphs (cuda_graphs.py)
 ADAM_MOMENTS_DTYPES = ("fp32", "bf16")
 BF16_MOMENTS_MAX_BETA2 = 0.99  # docs/training.md: the second moment's drift in bf16, measured
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -113,10 +113,11 @@ class TrainConfig:
     last backward, as soon as its gradients are complete, instead of after it (as Megatron's
     --overlap-grad-reduce); the same update, with the exchange hidden behind the backward
     (measured: docs/expert-parallelism.md)."""
-    cuda_graphs: str | bool = "none"  # false (YAML's reading of `off`) = "none"
+    cuda_graphs: str | bool = "auto"  # false (YAML's reading of `off`) = "none"
     """'micro_batch': capture each micro-batch's forward, loss and backward in a CUDA graph at the
     first step and replay it (one launch instead of thousands; megatron_moe/training/cuda_graphs.py
-    says what it needs and what the capture costs at start-up); 'none': eager."""
+    says what it needs and what the capture costs at start-up); 'none': eager; 'auto':
+    'micro_batch' for a one-process run on a GPU whose model a graph can hold, else 'none'."""
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms; on GPUs also
     CUBLAS_WORKSPACE_CONFIG and NCCL_ALGO=Ring): identical losses for identical seeds on the

@@ -71,7 +71,7 @@ from megatron_moe.dispatch import exchange_time_ms
 from megatron_moe.megatron import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
 from megatron_moe.parallel import ParallelGroups, init_parallel_groups
 
-from .cuda_graphs import EagerReplay, MicroBatchGraph, check_supported
+from .cuda_graphs import EagerReplay, MicroBatchGraph, check_supported, resolve_mode
 from .checkpoint import (ABSENT, CheckpointError, config_changes, latest_checkpoint, load_checkpoint,
                          save_checkpoint, shape_changes, verify_checkpoint)
 from .data import MicroBatchSampler, build_datasets, micro_batch_loader, prepare_data, split_tokens
@@ -261,15 +261,19 @@ def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, s
               layer_names=_moe_layer_names(model, layers), data_iter=data_iter,
               valid_loader=valid_loader, flops_per_token=float(flops_per_token(mc)), peak_tflops=peak,
               step=step, consumed=consumed, first_info={"world_size": world, **data_info})
-    if tc.cuda_graphs != "none":
-        run.graph = _micro_batch_graph(run, ep)
+    mode, why = resolve_mode(tc.cuda_graphs, device=device, layers=layers, ep_size=ep, world_size=world,
+                             simulated=hooks.cuda_graphs_on_cpu)
+    if why and device.type == "cuda":
+        run.print(f"cuda graphs: off, eager steps (train.cuda_graphs=auto: {why})")
+    if mode != "none":
+        run.graph = _micro_batch_graph(run, ep, mode)
     return run
 
 
-def _micro_batch_graph(run: Run, ep: int) -> MicroBatchGraph:
+def _micro_batch_graph(run: Run, ep: int, mode: str) -> MicroBatchGraph:
     """train.cuda_graphs=micro_batch: the graph of ``_micro_batch``, captured at the first step."""
     tc = run.cfg.train
-    check_supported(tc.cuda_graphs, device=run.di.device, layers=run.layers, ep_size=ep,
+    check_supported(mode, device=run.di.device, layers=run.layers, ep_size=ep,
                     simulated=hooks.cuda_graphs_on_cpu)
     if run.di.world_size > 1 and tc.overlap_grad_reduce:
         run.print("note: with train.cuda_graphs the gradient reduction runs after the backward "
@@ -277,7 +281,8 @@ def _micro_batch_graph(run: Run, ep: int) -> MicroBatchGraph:
 
     def captured(g: MicroBatchGraph) -> None:
         run.print(f"cuda graphs: {g.warmup_iters} warm-up micro-batches {g.warmup_s:.1f} s, "
-                  f"capture {g.capture_s:.1f} s (train.cuda_graphs={tc.cuda_graphs})")
+                  f"capture {g.capture_s:.1f} s (train.cuda_graphs={tc.cuda_graphs}"
+                  f"{' -> ' + mode if mode != tc.cuda_graphs else ''})")
         times = {"cuda_graph_warmup_s": g.warmup_s, "cuda_graph_capture_s": g.capture_s}
         run.first_info.update(times)  # the capture runs in the first step: its row has them
         run.logger.summary(times)

@@ -103,8 +103,8 @@ def test_reference_is_torchs_layer_norm():
 
 
 def test_switch_off_is_torchs_layer_norm(monkeypatch):
-    """MEGATRON_MOE_FUSED_NORM unset: F.layer_norm itself (bit for bit), not the kernels."""
-    monkeypatch.delenv("MEGATRON_MOE_FUSED_NORM")
+    """MEGATRON_MOE_FUSED_NORM=0: F.layer_norm itself (bit for bit), not the kernels."""
+    monkeypatch.setenv("MEGATRON_MOE_FUSED_NORM", "0")
     x, w, b, _ = [t.to(DEVICE) for t in inputs((9, 40), torch.float32, seed=4)]
     calls = []
     monkeypatch.setattr(ops_layer_norm._LayerNorm, "apply", lambda *a: calls.append(a))

@@ -299,7 +299,7 @@ def test_layer_norms_are_ours_and_the_fused_norm_changes_no_result(ad, monkeypat
         torch.testing.assert_close(grads_f[name], grads_t[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_norm_module_is_torchs_layer_norm_elsewhere_megatrons_norm(ad):
+def test_norm_module_is_torchs_layer_norm_elsewhere_megatrons_norm(ad, monkeypatch):
     """Our LayerNorm module: torch's LayerNorm forward with the switch off, copyable; under
     another normalization (RMSNorm) megatron-core's own module, as the local spec gave; a config
     flag it cannot honour is one clear error."""
@@ -309,6 +309,7 @@ def test_norm_module_is_torchs_layer_norm_elsewhere_megatrons_norm(ad):
 
     from megatron_moe.megatron.norm import LayerNorm
 
+    monkeypatch.setenv("MEGATRON_MOE_FUSED_NORM", "0")
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2)
     norm = LayerNorm(cfg, 16, eps=1e-5)
     x = torch.randn(4, 16)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_moe import MoEConfig
-from megatron_moe.training.cuda_graphs import EagerReplay, MicroBatchGraph, check_supported
+from megatron_moe.training.cuda_graphs import EagerReplay, MicroBatchGraph, check_supported, resolve_mode
 from megatron_moe.training.run_config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,11 +155,37 @@ def test_what_a_graph_cannot_hold_is_refused_in_one_line():
         assert "train.cuda_graphs=none" in str(e.value) or "cuda_graphs=none" in str(e.value)
 
 
+def test_auto_graphs_one_process_on_a_gpu_where_the_model_allows_else_eager():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    ok = [_layer(mlp_impl="triton_grouped")]
+    assert resolve_mode("auto", device=cuda, layers=ok, ep_size=1, world_size=1) == ("micro_batch", "")
+    assert resolve_mode("auto", device=cuda, layers=[], ep_size=1, world_size=1) == ("micro_batch", "")  # dense
+    assert resolve_mode("auto", device=cpu, layers=ok, ep_size=1, world_size=1, simulated=True)[0] == "micro_batch"
+    off = [
+        (dict(device=cpu, layers=ok, ep_size=1, world_size=1), "the run is on the cpu"),
+        (dict(device=cuda, layers=ok, ep_size=1, world_size=2), "2 processes: eager steps overlap the gradient"),
+        (dict(device=cuda, layers=ok, ep_size=2, world_size=2), "2 processes"),
+        (dict(device=cuda, layers=[_layer(mlp_impl="reference")], ep_size=1, world_size=1),
+         "model.moe.mlp_impl=reference synchronises with the host in every forward, which a CUDA graph cannot hold"),
+        (dict(device=cuda, layers=[SimpleNamespace(cfg=_layer().cfg, check_finite=True)], ep_size=1, world_size=1),
+         "MEGATRON_MOE_CHECK_FINITE=1 reads"),
+    ]
+    for kw, why in off:
+        mode, reason = resolve_mode("auto", **kw)
+        assert mode == "none" and reason.startswith(why) and "\n" not in reason, (kw, reason)
+        assert "cuda_graphs=none" not in reason  # auto never asks the user to switch it off
+    # an explicit mode is itself: micro_batch is then refused by check_supported, not resolved away
+    assert resolve_mode("micro_batch", device=cpu, layers=ok, ep_size=2, world_size=4) == ("micro_batch", "")
+    assert resolve_mode("none", device=cuda, layers=ok, ep_size=1, world_size=1) == ("none", "")
+    check_supported("auto", device=cpu, layers=[_layer(mlp_impl="reference")], ep_size=4)  # auto: never refused
+
+
 def test_config_values():
-    assert load_config("tiny-cpu").train.cuda_graphs == "none"
+    assert load_config("tiny-cpu").train.cuda_graphs == "auto"
+    assert load_config("tiny-cpu", ["train.cuda_graphs=none"]).train.cuda_graphs == "none"
     assert load_config("tiny-cpu", ["train.cuda_graphs=micro_batch"]).train.cuda_graphs == "micro_batch"
     assert load_config("tiny-cpu", ["train.cuda_graphs=off"]).train.cuda_graphs == "none"  # YAML: False
-    with pytest.raises(ConfigError, match=r"train.cuda_graphs.*expected one of \('none', 'micro_batch'\)"):
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs.*expected one of \('auto', 'micro_batch', 'none'\)"):
         load_config("tiny-cpu", ["train.cuda_graphs=layer"])
     with pytest.raises(ConfigError, match=r"train.cuda_graphs"):
         load_config("tiny-cpu", ["train.cuda_graphs=true"])
@@ -171,7 +197,8 @@ def test_the_trainer_refuses_graphs_on_the_cpu(tmp_path):
                            f"logging.runs_dir={tmp_path}", "logging.wandb=false",
                            f"data.cache_dir={tmp_path / 'cache'}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}})
+                          env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                               "CUDA_VISIBLE_DEVICES": ""})  # the CPU, also on a GPU machine
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert ("megatron-moe-train: error: train.cuda_graphs=micro_batch needs a CUDA GPU (this run is on "
             "the cpu): set train.cuda_graphs=none") in proc.stderr
@@ -186,20 +213,21 @@ def test_the_trainer_refuses_graphs_on_the_cpu(tmp_path):
                                    ["train.grad_accumulation_fusion=false"]])
 def test_graphed_steps_equal_eager_steps_on_the_gpu(tmp_path, extra):
     """tiny-cpu on the GPU (bf16 params, fp32 masters), 6 steps of 2 micro-batches, eager and
-    with train.cuda_graphs=micro_batch: the same losses and gradient norms to bf16 rounding
-    (the kernels are the same; the replay runs them without the host), and the capture reported."""
+    with train.cuda_graphs=auto (the default; on one GPU: micro_batch): the same losses and
+    gradient norms to bf16 rounding (the kernels are the same; the replay runs them without the
+    host), and the capture reported."""
     from megatron_moe.training.train import pretrain
 
     out = {}
-    for mode in ("none", "micro_batch"):
+    for mode in ("none", "auto"):
         cfg = load_config("tiny-cpu", [f"name=g-{mode}", f"logging.runs_dir={tmp_path}", "logging.wandb=false",
                                        f"data.cache_dir={tmp_path / 'cache'}", "data.default_corpus_mb=2",
                                        "train.train_iters=6", "train.lr_warmup_iters=2", "train.eval_interval=3",
                                        "train.save_final=false", f"train.cuda_graphs={mode}", *extra])
         out[mode] = pretrain(cfg)
-    eager, graphed = out["none"]["losses"], out["micro_batch"]["losses"]
+    eager, graphed = out["none"]["losses"], out["auto"]["losses"]
     assert len(eager) == len(graphed) == 6
     assert graphed == pytest.approx(eager, rel=2e-3), (eager, graphed)
-    assert out["micro_batch"]["val_loss"] == pytest.approx(out["none"]["val_loss"], rel=2e-3)
-    first = json.loads((tmp_path / "g-micro_batch" / "metrics.jsonl").read_text().splitlines()[0])
+    assert out["auto"]["val_loss"] == pytest.approx(out["none"]["val_loss"], rel=2e-3)
+    first = json.loads((tmp_path / "g-auto" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["cuda_graph_capture_s"] > 0 and first["cuda_graph_warmup_s"] > 0
