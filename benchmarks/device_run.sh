@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
-#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [graphs] [tables] [mlm] [quick]
+#   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [graphs] [norm] [tables] [mlm] [quick]
 # TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
 # TRAIN_CONFIGS / TRAIN_OVERRIDES ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step'), GRAPH_RUNS,
 # TABLE_CONFIGS ('tables'),
@@ -99,6 +99,11 @@ if [[ $stages == *" graphs "* ]]; then
     gpt-small-graph:gpt-small:train.cuda_graphs=micro_batch dmoe-small-graph:dmoe-small:train.cuda_graphs=micro_batch}" \
     bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/graphs.log" | tail -n 8
   add "graphs:" "$(cat "$OUT/graphs/train_ab.txt" 2>/dev/null)"
+fi
+if [[ $stages == *" norm "* ]]; then
+  # issue #33: LayerNorm alone, ours against torch's, and its backward's launch-shape sweep
+  python3 benchmarks/bench_layer_norm.py --out "$OUT/bench_layer_norm.json" 2>&1 | tee "$OUT/norm.log" | tail -n 8
+  add "norm:" "$(tail -n 6 "$OUT/norm.log")"
 fi
 if [[ $stages == *" tables "* ]]; then
   # issue #35: tuning tables to ship in kernels/tuned/ for this GPU: each config's first step

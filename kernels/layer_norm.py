@@ -107,15 +107,18 @@ def layer_norm_fwd_triton(x: torch.Tensor, weight_N: torch.Tensor, bias_N: torch
 
 
 def layer_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight_N: torch.Tensor, mean_M: torch.Tensor,
-                          rstd_M: torch.Tensor, programs: int = 512
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          rstd_M: torch.Tensor, programs: int = 512, num_warps: int = 4,
+                          block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx like x, dweight_N, dbias_N in the weight's dtype); ``programs``: at most this many
-    programs, each over a contiguous range of rows (the partial sums' count)."""
+    programs, each over a contiguous range of rows (the partial sums' count); ``num_warps`` and
+    ``block_m`` (rows per loop iteration, a power of two; default: _blocks's) for
+    benchmarks/bench_layer_norm.py's sweep."""
     N = x.shape[-1]
     x_MN, dy_MN = _rows(x), _rows(dy)
     M = x_MN.shape[0]
     dx_MN = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_m, block_n = _blocks(N)
+    default_m, block_n = _blocks(N)
+    block_m = block_m or default_m
     rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), programs), block_m) * block_m
     P = triton.cdiv(max(M, 1), rows_per_program)
     dw_part_PN = torch.empty((P, N), dtype=torch.float32, device=x.device)
@@ -123,7 +126,7 @@ def layer_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight_N: torch.Ten
     _ln_bwd_kernel[(P,)](
         dy_MN, x_MN, weight_N, mean_M, rstd_M, dx_MN, dw_part_PN, db_part_PN, M, N,
         dy_MN.stride(0), x_MN.stride(0), dx_MN.stride(0), rows_per_program,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     dweight_N = dw_part_PN.sum(0).to(weight_N.dtype)
     dbias_N = db_part_PN.sum(0).to(weight_N.dtype)
     return dx_MN.view(x.shape), dweight_N, dbias_N

@@ -72,6 +72,20 @@ def test_layer_norm_matches_float64(shape, dtype):
     torch.testing.assert_close(db.cpu().double(), db64, **scale)
 
 
+@pytest.mark.parametrize("programs, num_warps, block_m", [(3, 8, 16), (1000, 4, 2), (64, 4, 32)])
+def test_every_backward_launch_shape_gives_the_float64_gradients(programs, num_warps, block_m):
+    """The launch shapes benchmarks/bench_layer_norm.py sweeps: a few programs over many rows
+    each, more programs than rows, tiles taller than the rows a program owns."""
+    x, w, b, dy = inputs((150, 48), torch.float32, seed=11)
+    y64, dx64, dw64, db64 = float64_grads(x, w, b, dy, 1e-5)
+    x, w, b, dy = [t.to(DEVICE) for t in (x, w, b, dy)]
+    _, mean, rstd = layer_norm_fwd_triton(x, w, b, 1e-5)
+    dx, dw, db = layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=num_warps,
+                                       block_m=block_m)
+    for got, want in ((dx, dx64), (dw, dw64), (db, db64)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_a_large_mean_keeps_its_precision():
     """Two-pass statistics: x = 1000 + noise in fp32 normalises as float64 does (a one-pass
     E[x^2] - E[x]^2 would lose the noise)."""
