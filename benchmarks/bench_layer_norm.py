@@ -84,18 +84,22 @@ def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
     return rows
 
 
+def copy_tb_per_s() -> float:
+    """Read + write bandwidth of a device-to-device copy of a 2 GB bf16 tensor."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / _time_ms(lambda: dst.copy_(src), reps=20) / 1e9
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = _time_ms(lambda: dst.copy_(src), reps=20)
-    copy_tb_s = 2 * src.numel() * 2 / copy_ms / 1e9
-    del src, dst
+    copy_tb_s = copy_tb_per_s()
     print(f"{torch.cuda.get_device_name()}: device copy {copy_tb_s:.2f} TB/s (read + write)")
     results = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_tb_s, "shapes": []}
-    print("| shape | fwd us (TB/s) | torch fwd us | bwd us (TB/s) | torch bwd us | best bwd: programs, warps, rows | us (TB/s) |")
+    print("| shape | fwd us (TB/s) | torch fwd us | bwd us (TB/s) | torch bwd us "
+          "| best bwd: programs, warps, rows | us (TB/s) |")
     print("|---|---|---|---|---|---|---|")
     for M, N in SHAPES:
         r = bench_shape(M, N)

@@ -81,7 +81,6 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
                              f"host in every forward, which a CUDA graph cannot hold: unset it {off}")
 
 
-
 def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int, world_size: int,
                  simulated: bool = False) -> tuple[str, str]:
     """``train.cuda_graphs`` as the run applies it, and why ``auto`` gave ``none`` ("" otherwise):
@@ -99,6 +98,7 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
     except ValueError as e:
         return "none", str(e).split(": ")[0]
     return "micro_batch", ""
+
 
 class _CudaGraphs:
     """The real thing: warm-up on a side stream, capture, replay."""
