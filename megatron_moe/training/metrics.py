@@ -397,7 +397,8 @@ class WandbRun:
 class StepProfiler:
     """torch.profiler over one training step (``MEGATRON_MOE_PROFILE_STEP=N``, a diagnosis aid:
     kernel times, host gaps, NCCL waits). Writes ``profile_step{N}_rank{R}.txt`` (ops by GPU
-    time, then by host time) and the Chrome trace ``profile_step{N}_rank{R}.json`` into the run
+    time, then by host time, then the torch ops by GPU time per input shape: which op launched a
+    kernel, in an eager step) and the Chrome trace ``profile_step{N}_rank{R}.json`` into the run
     directory."""
 
     def __init__(self, run_dir: str | Path, rank: int, device: torch.device):
@@ -412,7 +413,7 @@ class StepProfiler:
         acts = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self._prof = torch.profiler.profile(activities=acts)
+        self._prof = torch.profiler.profile(activities=acts, record_shapes=True)
         self._prof.__enter__()
 
     def finish(self, step: int) -> None:
@@ -427,5 +428,8 @@ class StepProfiler:
         with open(f"{stem}.txt", "w") as f:
             f.write(ka.table(sort_by=sort_gpu, row_limit=40) + "\n")
             f.write(ka.table(sort_by="cpu_time_total", row_limit=25) + "\n")
+            by_shape = self._prof.key_averages(group_by_input_shape=True)
+            f.write(by_shape.table(sort_by=sort_gpu, row_limit=30, max_name_column_width=40,
+                                   max_shapes_column_width=80) + "\n")
         self._prof.export_chrome_trace(f"{stem}.json")
         self._prof = None

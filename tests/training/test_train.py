@@ -674,6 +674,7 @@ def test_profile_one_step_writes_tables_and_trace(workdir):
     assert sorted(p.name for p in run.glob("profile_*")) == ["profile_step2_rank0.json", "profile_step2_rank0.txt"]
     table = (run / "profile_step2_rank0.txt").read_text()
     assert "Name" in table and "TritonGroupedMLP" in table  # the MoE layer's op is in the step
+    assert "Input Shapes" in table  # the third table: the ops per input shape
     assert json.loads((run / "profile_step2_rank0.json").read_text())["traceEvents"]
 
 
