@@ -37,8 +37,9 @@ def dmoe_small_shapes(layers: int, hidden=768, ffn=3072, experts=64, vocab=51200
     return shapes + [(hidden,), (hidden,)]
 
 
-def _time(fn, reps: int) -> float:
-    """Median GPU milliseconds of fn over reps (after two warm-ups), CUDA events."""
+def gpu_ms(fn, reps: int) -> float:
+    """Median GPU milliseconds of fn over reps (after two warm-ups), CUDA events (also
+    benchmarks/bench_layer_norm.py's)."""
     for _ in range(2):
         fn()
     ts = []
@@ -92,7 +93,7 @@ def main():
 
     big = torch.empty(2 ** 29, device=dev)  # 2 GB
     dst = torch.empty_like(big)
-    ms = _time(lambda: dst.copy_(big), args.reps)
+    ms = gpu_ms(lambda: dst.copy_(big), args.reps)
     rows.append({"name": "copy 2 GB (read + write)", "ms": round(ms, 3), "GB/s": round(2 * big.numel() * 4 / ms / 1e6, 1)})
     print(f"{'copy 2 GB (read + write)':34s} {ms:8.3f} ms {rows[-1]['GB/s']:8.1f} GB/s")
     big = dst = None  # free the 4 GB
@@ -107,8 +108,8 @@ def main():
         ref.step()
         torch._foreach_copy_(copies, masters)
 
-    report("unfused: mul + torch fused + copy", _time(unfused, args.reps), 42, _host_ms(unfused, args.reps))
-    report("  torch fused AdamW alone", _time(ref.step, args.reps), 28)
+    report("unfused: mul + torch fused + copy", gpu_ms(unfused, args.reps), 42, _host_ms(unfused, args.reps))
+    report("  torch fused AdamW alone", gpu_ms(ref.step, args.reps), 28)
     ref = None  # free its state (m, v)
     torch.cuda.empty_cache()
 
@@ -129,7 +130,7 @@ def main():
                     bm[0] = adamw_step_(masters, grads, ms_, vs_, hyper, copies=copies, grad_scale=scale,
                                         block_map=bm[0], block=block, num_warps=warps)
 
-                t = _time(fused, args.reps)
+                t = gpu_ms(fused, args.reps)
                 report(f"fused kernel, {tag}, block {block} warps {warps}", t, nbytes)
                 if tag not in best or t < best[tag][0]:
                     best[tag] = (t, block, warps)
@@ -140,7 +141,7 @@ def main():
                     state_dtype=state_dtype)
         opt.set_copies(masters, copies)
         step = lambda opt=opt: opt.step(grad_scale=scale)  # noqa: E731
-        report(f"optim.AdamW.step, {tag} (default shape)", _time(step, args.reps), nbytes,
+        report(f"optim.AdamW.step, {tag} (default shape)", gpu_ms(step, args.reps), nbytes,
                _host_ms(step, args.reps))
         opt = step = None
         torch.cuda.empty_cache()

@@ -26,23 +26,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe.kernels.layer_norm import layer_norm_bwd_triton, layer_norm_fwd_triton  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_adamw import gpu_ms  # noqa: E402
+
 SHAPES = [(32768, 512), (32768, 768), (32768, 1024), (16384, 2048)]
-
-
-def _time_ms(fn, reps: int = 50) -> float:
-    """Median GPU time of ``fn`` over ``reps`` calls (CUDA events), after 5 warm-up calls."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+REPS = 50  # timed calls per measurement (median)
 
 
 def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
@@ -55,12 +43,12 @@ def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
     rows = {"shape": [M, N]}
 
     y, mean, rstd = layer_norm_fwd_triton(x, w, b, 1e-5)
-    rows["fwd_ms"] = _time_ms(lambda: layer_norm_fwd_triton(x, w, b, 1e-5))
+    rows["fwd_ms"] = gpu_ms(lambda: layer_norm_fwd_triton(x, w, b, 1e-5), REPS)
     xt = x.clone().requires_grad_(True)
     wt, bt = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    rows["torch_fwd_ms"] = _time_ms(lambda: F.layer_norm(x, (N,), w, b, 1e-5))
+    rows["torch_fwd_ms"] = gpu_ms(lambda: F.layer_norm(x, (N,), w, b, 1e-5), REPS)
     yt = F.layer_norm(xt, (N,), wt, bt, 1e-5)
-    rows["torch_bwd_ms"] = _time_ms(lambda: torch.autograd.grad(yt, (xt, wt, bt), dy, retain_graph=True))
+    rows["torch_bwd_ms"] = gpu_ms(lambda: torch.autograd.grad(yt, (xt, wt, bt), dy, retain_graph=True), REPS)
 
     ref = layer_norm_bwd_triton(dy, x, w, mean, rstd)
     sweep = []
@@ -71,8 +59,8 @@ def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
         # the same arithmetic in another order (tile shape, partials): rounding only
         for a, r in zip(got, ref):
             torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-2)
-        ms = _time_ms(lambda: layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=warps,
-                                                    block_m=block_m))
+        ms = gpu_ms(lambda: layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=warps,
+                                                  block_m=block_m), REPS)
         sweep.append({"programs": programs, "num_warps": warps, "block_m": block_m, "bwd_ms": ms,
                       "tb_s": 3 * io / ms / 1e9})
     default = next(s for s in sweep if (s["programs"], s["num_warps"], s["block_m"]) == (512, 4, None))
@@ -88,7 +76,7 @@ def copy_tb_per_s() -> float:
     """Read + write bandwidth of a device-to-device copy of a 2 GB bf16 tensor."""
     src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / _time_ms(lambda: dst.copy_(src), reps=20) / 1e9
+    return 2 * src.numel() * 2 / gpu_ms(lambda: dst.copy_(src), 20) / 1e9
 
 
 def main() -> int:
