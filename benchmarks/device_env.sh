@@ -2,7 +2,13 @@
 # root: run from a source checkout without `pip install` (kernels/ and tools/ mapped into
 # megatron_moe by symlinks, as setup.py maps them on install; PYTHONPATH=$PWD), and helpers they
 # share. Optional: wheels put in .whl/ (e.g. megatron-core, for a machine without a package
-# index) are installed into /tmp/site first. An installed megatron-moe works as well.
+# index) are installed into /tmp/site first. An installed megatron-moe works as well. The wheels
+# the GPU stages use (megatron-core and pydantic for the model tests and Megatron-LM; pytest-xdist
+# for the test stages' workers), fetched where there is an index:
+#   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+#     megatron-core==0.16.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
+#     typing-inspection typing-extensions pytest-xdist execnet
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -2,9 +2,9 @@
 # One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
 #   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [graphs] [norm] [tables] [mlm] [quick]
-# TESTS (test files for 'tests'), PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's),
-# TRAIN_CONFIGS / TRAIN_OVERRIDES ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step'), GRAPH_RUNS,
-# TABLE_CONFIGS ('tables'),
+# TESTS (test files for 'tests'), TEST_WORKERS (pytest-xdist's -n for 'tests' and 'faults'),
+# PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's), TRAIN_CONFIGS / TRAIN_OVERRIDES
+# ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step'), GRAPH_RUNS, TABLE_CONFIGS ('tables'),
 # MLM_STAGES (benchmarks/megatron_lm.py's --stages for 'mlm'; Megatron-LM's files in $MLM, default
 # .mlm) narrow a stage. Set-up (optional wheels from .whl/, the kernels mapping):
 # benchmarks/device_env.sh. The stages write to a temporary folder, packed at the end into
@@ -17,6 +17,9 @@ if [[ ${PACK:-1} == 1 ]]; then DEST=$OUT; OUT=$(mktemp -d); fi  # the stages wri
 stages=" $* "
 source benchmarks/device_env.sh
 write_env "$OUT/gpu.txt"; cat "$OUT/gpu.txt"
+# the GPU suites in TEST_WORKERS processes (default 4) where pytest-xdist is there (a wheel of it and
+# execnet in .whl/): their time is mostly each test's kernel compiles, one CPU core each
+xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n "${TEST_WORKERS:-4}")
 summary=()
 pack() {  # what the stages wrote so far, into $DEST/logs.tgz (again after each stage: a call cut
   # short at its time limit still brings back the stages before)
@@ -33,14 +36,15 @@ if [[ ${PACK:-1} == 1 ]]; then  # and every 60 s, so a stage cut short at the ca
 fi
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
-  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider \
+  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider "${xdist[@]}" --durations=10 \
     ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/kernels/test_layer_norm.py tests/megatron/test_model.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   add "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 fi
 if [[ $stages == *" faults "* ]]; then
   # tests/training/test_faults.py on the GPU: its training runs use CUDA there, plus its GPU-only cases
-  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider tests/training/test_faults.py \
+  MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=600 -p no:cacheprovider "${xdist[@]}" --durations=10 \
+    tests/training/test_faults.py \
     2>&1 | tee "$OUT/gpu_faults.log" | tail -n 25
   add "gpu faults: $(tail -n 1 "$OUT/gpu_faults.log")"
 fi

@@ -12,8 +12,9 @@ clipping, the optimizer and the expert-bias update.
 
 The capture, at the first step of the process (a fresh start or a resume), costs
 ``warmup_iters`` eager forward-backward passes on a side stream (they autotune the kernels and
-settle lazy allocations; their effects are undone), then one capture; the trainer prints both
-times (``cuda graphs: ...``) and logs them as ``cuda_graph_warmup_s`` and ``cuda_graph_capture_s``.
+settle lazy allocations; their effects are undone), then one capture on the same stream; the
+trainer prints both times (``cuda graphs: ...``) and logs them as ``cuda_graph_warmup_s`` and
+``cuda_graph_capture_s``.
 
 Why a replay is the eager micro-batch:
   * inputs: the batch is copied into static buffers (the shape is fixed: micro_batch_size x
@@ -101,10 +102,15 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
 
 
 class _CudaGraphs:
-    """The real thing: warm-up on a side stream, capture, replay."""
+    """The real thing: warm-up on a side stream, capture on the same stream, replay. (Autograd
+    keeps the stream each parameter's gradient accumulator first ran on: a capture on another
+    stream than the warm-up's warns, and syncs, at every parameter.)"""
+
+    def __init__(self):
+        self.stream = None
 
     def warmup(self, fn: Callable[[], torch.Tensor], n: int) -> None:
-        side = torch.cuda.Stream()
+        self.stream = side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(n):
@@ -118,7 +124,7 @@ class _CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call of another thread (the data loader's pinning, W&B) during
         # the capture does not invalidate it
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 

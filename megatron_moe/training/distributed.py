@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def setup_distributed() -> DistInfo:
     """Initialise torch.distributed: env:// under torchrun, else a world of one process.
 
@@ -59,12 +65,15 @@ def setup_distributed() -> DistInfo:
     created = False
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
+        # this process's GPU, named: NCCL and barrier() need not guess it (and warn)
+        device_id = {"device_id": torch.device("cuda", local_rank)} if use_cuda else {}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **device_id)
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, **device_id)
         created = True
+        atexit.register(_destroy)  # pretrain() called in a process that exits without destroying it
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, created)
 
