@@ -4,7 +4,8 @@
 #   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [graphs] [norm] [tables] [mlm] [quick]
 # TESTS (test files for 'tests'), TEST_WORKERS (pytest-xdist's -n for 'tests' and 'faults'),
 # PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's), TRAIN_CONFIGS / TRAIN_OVERRIDES
-# ('train'), STEP_RUNS (train_ab.sh's RUNS for 'step'), GRAPH_RUNS, TABLE_CONFIGS ('tables'),
+# ('train'), STEP_RUNS / STEP_GB / STEP_STEPS (train_ab.sh's RUNS, global batch and steps for 'step'),
+# GRAPH_RUNS, TABLE_CONFIGS ('tables'),
 # MLM_STAGES (benchmarks/megatron_lm.py's --stages for 'mlm'; Megatron-LM's files in $MLM, default
 # .mlm) narrow a stage. Set-up (optional wheels from .whl/, the kernels mapping):
 # benchmarks/device_env.sh. The stages write to a temporary folder, packed at the end into
@@ -80,9 +81,11 @@ if [[ $stages == *" router "* ]]; then
   add "router: $(tail -n 3 "$OUT/count.log" | tr '\n' ' ')"
 fi
 if [[ $stages == *" step "* ]]; then
-  # the training step, eager against CUDA graphs and bf16 moments (issue #33): global batch 64 x 1024,
-  # micro-batch 32, medians of steps 21-40 (benchmarks/train_ab.sh; its table is printed last)
-  OUT="$OUT/step" MB=32 GB=64 STEPS=40 MEASURE_FROM=20 PROFILE_STEP=30 RUNS="${STEP_RUNS:-gpt-xs:gpt-xs \
+  # the training step, eager against CUDA graphs and bf16 moments (issue #33): global batch 64 x 1024
+  # (STEP_GB), micro-batch 32, medians of the second half of 40 steps (STEP_STEPS)
+  # (benchmarks/train_ab.sh; its table is printed last)
+  OUT="$OUT/step" MB=32 GB=${STEP_GB:-64} STEPS=${STEP_STEPS:-40} MEASURE_FROM=$(( ${STEP_STEPS:-40} / 2 )) \
+    PROFILE_STEP=$(( ${STEP_STEPS:-40} * 3 / 4 )) RUNS="${STEP_RUNS:-gpt-xs:gpt-xs \
     gpt-xs-graph:gpt-xs:train.cuda_graphs=micro_batch dmoe-xs:dmoe-xs \
     dmoe-xs-graph:dmoe-xs:train.cuda_graphs=micro_batch dmoe-xs-bf16m:dmoe-xs:train.adam_moments_dtype=bf16}" \
     bash benchmarks/train_ab.sh 2>&1 | tee "$OUT/step.log" | tail -n 12

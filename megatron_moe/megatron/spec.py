@@ -115,8 +115,36 @@ def _linear_forward(base_impl, layer, input, weight, bias=None, **kwargs):
     return F.linear(input, weight, bias)
 
 
+ENV_BIAS_IN_GEMM = "MEGATRON_MOE_BIAS_IN_GEMM"
+
+
+def _bias_in_gemm(layer, partition_size: int, full_size: int) -> bool:
+    """Whether a linear layer whose bias megatron-core adds after the GEMM (a layer that hands it
+    back, ``skip_bias_add``, to the MLP or the residual's bias-dropout-add; or a row-parallel
+    layer after its all-reduce) may add it inside the GEMM instead: it has a bias, the layer is
+    whole (TP = 1), nothing tensor-parallel or fused is asked for, and
+    ``MEGATRON_MOE_BIAS_IN_GEMM`` is not "0". The add then happens in the GEMM's epilogue, not in
+    a broadcast pass over the output (a read and a write of it). The layer returns
+    ``(output + bias, None)``: megatron-core's MLP and bias-dropout-add take a None bias."""
+    config = layer.config
+    return (layer.bias is not None and partition_size == full_size
+            and not (layer.sequence_parallel or layer.gradient_accumulation_fusion or layer.explicit_expert_comm
+                     or getattr(config, "defer_embedding_wgrad_compute", False)
+                     or getattr(config, "_cpu_offloading_context", None) is not None)
+            and os.environ.get(ENV_BIAS_IN_GEMM, "1") != "0")
+
+
 class ColumnLinear(ColumnParallelLinear):
-    """megatron-core's ColumnParallelLinear; plain F.linear at TP = 1 (see _linear_forward)."""
+    """megatron-core's ColumnParallelLinear; plain F.linear at TP = 1 (see _linear_forward), with
+    a handed-back bias added inside the GEMM (returned as None; see _bias_in_gemm)."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        # (the MLP's first layer keeps handing its bias back where megatron-core fuses the bias
+        # into the activation: bias_activation_fusion, Megatron-LM's default)
+        if (self.skip_bias_add and weight is None and not self.config.bias_activation_fusion
+                and _bias_in_gemm(self, self.output_size_per_partition, self.output_size)):
+            return F.linear(input_, self.weight, self.bias), None
+        return super().forward(input_, weight, runtime_gather_output)
 
     def _forward_impl(self, input, weight, bias=None, **kwargs):
         return _linear_forward(ColumnParallelLinear._forward_impl, self, input, weight, bias, **kwargs)
@@ -129,7 +157,13 @@ def use_plain_linear(layer: ColumnParallelLinear) -> None:
 
 
 class RowLinear(RowParallelLinear):
-    """megatron-core's RowParallelLinear; plain F.linear at TP = 1 (see _linear_forward)."""
+    """megatron-core's RowParallelLinear; plain F.linear at TP = 1 (see _linear_forward), with
+    a handed-back bias added inside the GEMM (returned as None; see _bias_in_gemm)."""
+
+    def forward(self, input_):
+        if _bias_in_gemm(self, self.input_size_per_partition, self.input_size):
+            return F.linear(input_, self.weight, self.bias), None
+        return super().forward(input_)
 
     def _forward_impl(self, input, weight, bias=None, **kwargs):
         return _linear_forward(RowParallelLinear._forward_impl, self, input, weight, bias, **kwargs)

@@ -285,18 +285,26 @@ def test_layer_norms_are_ours_and_the_fused_norm_changes_no_result(ad, monkeypat
     assert len(norms) == 2 * cfg.num_layers + 1
     assert all(isinstance(model.get_submodule(n), LayerNorm) for n in norms)
     assert "decoder.final_layernorm.weight" in model.state_dict()
-    tokens, pos, labels = batch(cfg)
+    _switch_changes_no_result(model, batch(cfg), monkeypatch, "MEGATRON_MOE_FUSED_NORM")
+
+
+def _switch_changes_no_result(model, batch_, monkeypatch, variable: str, check=lambda on: None) -> None:
+    """The model's loss and every gradient with ``variable`` 0 and 1: equal (fp32 on the CPU);
+    ``check(value)`` after each backward."""
+    tokens, pos, labels = batch_
     results = []
-    for fused in ("0", "1"):
-        monkeypatch.setenv("MEGATRON_MOE_FUSED_NORM", fused)
+    for on in ("0", "1"):
+        monkeypatch.setenv(variable, on)
         model.zero_grad(set_to_none=True)
         loss = model(tokens, pos, attention_mask=None, labels=labels)
         loss.mean().backward()
+        check(on)
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (loss_t, grads_t), (loss_f, grads_f) = results
-    torch.testing.assert_close(loss_f, loss_t, rtol=1e-5, atol=1e-5)
-    for name in grads_t:
-        torch.testing.assert_close(grads_f[name], grads_t[name], rtol=1e-4, atol=1e-6, msg=name)
+    (loss_0, grads_0), (loss_1, grads_1) = results
+    torch.testing.assert_close(loss_1, loss_0, rtol=1e-5, atol=1e-5)
+    assert grads_1.keys() == grads_0.keys()
+    for name in grads_0:
+        torch.testing.assert_close(grads_1[name], grads_0[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_norm_module_is_torchs_layer_norm_elsewhere_megatrons_norm(ad, monkeypatch):
@@ -320,6 +328,81 @@ def test_norm_module_is_torchs_layer_norm_elsewhere_megatrons_norm(ad, monkeypat
     assert type(rms) is torch.nn.RMSNorm
     with pytest.raises(ValueError, match="TransformerConfig.persist_layer_norm=True"):
         LayerNorm(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, persist_layer_norm=True), 16)
+
+
+@pytest.mark.parametrize("moe", [None, {"num_experts": 4, "top_k": 2, "mlp_impl": "reference"}], ids=["dense", "moe"])
+def test_biases_added_inside_the_gemms_change_no_result(ad, monkeypatch, moe):
+    """With MEGATRON_MOE_BIAS_IN_GEMM (the default) the linear layers whose bias megatron-core
+    adds after the GEMM (attention's projection, the dense MLP's two) add it inside and hand back
+    None; the loss and every gradient equal the switch-off path's, where they hand it back."""
+    cfg = tiny(moe=moe, seq_length=8)
+    model = ad.build_gpt_model(cfg)
+    handed_back = {}
+
+    def record(name):
+        return lambda module, args, out: handed_back.__setitem__(name, out[1])
+
+    names = [n for n, m in model.named_modules() if n.endswith(("linear_proj", "linear_fc1", "linear_fc2"))]
+    assert len(names) == cfg.num_layers * (3 if moe is None else 1)
+    hooks = [model.get_submodule(n).register_forward_hook(record(n)) for n in names]
+
+    def check(on):
+        assert all((handed_back[n] is None) == (on == "1") for n in names), (on, handed_back)
+
+    _switch_changes_no_result(model, batch(cfg), monkeypatch, "MEGATRON_MOE_BIAS_IN_GEMM", check)
+    for h in hooks:
+        h.remove()
+
+
+def test_a_bias_inside_the_gemm_is_the_float64_product_plus_bias(ad, monkeypatch):
+    """One RowLinear and one ColumnLinear that hand their bias back, against x @ W^T + b in
+    float64 (output and the gradients of x, W and b); not taken where megatron-core's own path is
+    asked for (fused weight-gradient accumulation, sequence parallelism) or the switch is 0; the
+    column layer hands its bias back where megatron-core fuses it into the activation."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_moe.megatron.spec import ColumnLinear, RowLinear
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    init = torch.nn.init.normal_
+    row = RowLinear(24, 16, config=cfg, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=True)
+    col = ColumnLinear(16, 24, config=cfg, init_method=init, bias=True, gather_output=False, skip_bias_add=True)
+    for layer, n_in in ((row, 24), (col, 16)):
+        with torch.no_grad():
+            layer.bias.normal_()
+        x = torch.randn(5, 3, n_in, requires_grad=True)
+        out, bias = layer(x)
+        assert bias is None
+        x64 = x.detach().double().requires_grad_()
+        w64, b64 = (t.detach().double().requires_grad_() for t in (layer.weight, layer.bias))
+        ref = x64 @ w64.T + b64
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        dy = torch.randn_like(ref)
+        (out.double() * dy).sum().backward()
+        (ref * dy).sum().backward()
+        for got, want in ((x.grad, x64.grad), (layer.weight.grad, w64.grad), (layer.bias.grad, b64.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        for attr in ("gradient_accumulation_fusion", "sequence_parallel"):
+            monkeypatch.setattr(layer, attr, True)
+            assert not spec_bias_in_gemm(layer)
+            monkeypatch.undo()
+        monkeypatch.setenv("MEGATRON_MOE_BIAS_IN_GEMM", "0")
+        assert not spec_bias_in_gemm(layer)
+        out, bias = layer(x)
+        assert bias is layer.bias
+        torch.testing.assert_close(out + bias, ref.detach().float(), rtol=1e-5, atol=1e-5)
+        monkeypatch.undo()
+    monkeypatch.setattr(col.config, "bias_activation_fusion", True)
+    out, bias = col(torch.randn(5, 3, 16))
+    assert bias is col.bias
+
+
+def spec_bias_in_gemm(layer) -> bool:
+    from megatron_moe.megatron.spec import ColumnLinear, _bias_in_gemm
+
+    if isinstance(layer, ColumnLinear):
+        return _bias_in_gemm(layer, layer.output_size_per_partition, layer.output_size)
+    return _bias_in_gemm(layer, layer.input_size_per_partition, layer.input_size)
 
 
 def test_aux_loss_gradient_reaches_router_through_lm_loss_alone(ad):
