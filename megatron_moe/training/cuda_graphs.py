@@ -104,7 +104,7 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
 class _CudaGraphs:
     """The real thing: warm-up on a side stream, capture on the same stream, replay. (Autograd
     keeps the stream each parameter's gradient accumulator first ran on: a capture on another
-    stream than the warm-up's warns, and syncs, at every parameter.)"""
+    stream than the warm-up's makes it warn, at every parameter, that it may synchronise.)"""
 
     def __init__(self):
         self.stream = None
