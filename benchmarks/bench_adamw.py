@@ -53,6 +53,17 @@ def gpu_ms(fn, reps: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+COPY_BYTES = 2 ** 31  # the reachable bandwidth: a device-to-device copy of 2 GB
+
+
+def copy_ms(reps: int) -> float:
+    """Median GPU milliseconds of copying COPY_BYTES on the current GPU into another buffer (read +
+    write: 2 x COPY_BYTES moved; also benchmarks/bench_layer_norm.py's)."""
+    src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    return gpu_ms(lambda: dst.copy_(src), reps)
+
+
 def _host_ms(fn, reps: int) -> float:
     """Median host milliseconds of one call (the GPU drained before each)."""
     ts = []
@@ -91,12 +102,9 @@ def main():
         print(f"{name:34s} {ms:8.3f} ms {row['GB/s']:8.1f} GB/s" + (f"  host {host:.3f} ms" if host else ""),
               flush=True)
 
-    big = torch.empty(2 ** 29, device=dev)  # 2 GB
-    dst = torch.empty_like(big)
-    ms = gpu_ms(lambda: dst.copy_(big), args.reps)
-    rows.append({"name": "copy 2 GB (read + write)", "ms": round(ms, 3), "GB/s": round(2 * big.numel() * 4 / ms / 1e6, 1)})
+    ms = copy_ms(args.reps)
+    rows.append({"name": "copy 2 GB (read + write)", "ms": round(ms, 3), "GB/s": round(2 * COPY_BYTES / ms / 1e6, 1)})
     print(f"{'copy 2 GB (read + write)':34s} {ms:8.3f} ms {rows[-1]['GB/s']:8.1f} GB/s")
-    big = dst = None  # free the 4 GB
 
     print(f"{len(masters)} parameters, {n / 1e9:.2f}B elements ({args.layers} layers)")
     # the unfused sequence, through torch.optim.AdamW(fused=True)

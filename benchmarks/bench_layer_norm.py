@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_moe.kernels.layer_norm import layer_norm_bwd_triton, layer_norm_fwd_triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adamw import gpu_ms  # noqa: E402
+from bench_adamw import COPY_BYTES, copy_ms, gpu_ms  # noqa: E402
 
 SHAPES = [(32768, 512), (32768, 768), (32768, 1024), (16384, 2048)]
 REPS = 50  # timed calls per measurement (median)
@@ -72,18 +72,11 @@ def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
     return rows
 
 
-def copy_tb_per_s() -> float:
-    """Read + write bandwidth of a device-to-device copy of a 2 GB bf16 tensor."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / gpu_ms(lambda: dst.copy_(src), 20) / 1e9
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    copy_tb_s = copy_tb_per_s()
+    copy_tb_s = 2 * COPY_BYTES / copy_ms(20) / 1e9  # read + write
     print(f"{torch.cuda.get_device_name()}: device copy {copy_tb_s:.2f} TB/s (read + write)")
     results = {"device": torch.cuda.get_device_name(), "copy_tb_s": copy_tb_s, "shapes": []}
     print("| shape | fwd us (TB/s) | torch fwd us | bwd us (TB/s) | torch bwd us "

@@ -74,6 +74,7 @@ TRAIN = ["--micro-batch-size", str(MB), "--global-batch-size", str(GB), "--train
 MOE_FLAGS = ["--num-experts", "64", "--moe-router-topk", "1", "--moe-router-pre-softmax",
              "--moe-aux-loss-coeff", "0.0166667"]
 SPEC = ["--spec", "megatron_moe.megatron.spec", "layer_spec"]
+DET_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # as --deterministic-mode asks
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)"
                      r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+))?.*?lm loss: ([\d.E+-]+)")
@@ -184,7 +185,7 @@ def readme(out: Path, mlm: Path, record) -> None:
     flags, env, _ = megatron_lm_command(cfg, "dmoe-xs", overrides, 1, save=str(ckpt))
     flags = flags + more
     if "--deterministic-mode" in more:
-        env = {**env, "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        env = {**env, **DET_ENV}
     (out / "readme_command.txt").write_text(" ".join(f"{k}={v}" for k, v in env.items()) + " pretrain_gpt.py "
                                            + " ".join(flags) + "\n")
     first = megatron_lm("readme-1", out, mlm, [], env=env, flags=flags)
@@ -236,9 +237,8 @@ def main() -> int:
             r["max_loss_diff"] = max((abs(r["losses"][i] - ref["losses"][i]) for i in both), default=None)
         return r
 
-    det_env = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # as --deterministic-mode asks
     for det in ("", "-det"):
-        extra, env = (["--deterministic-mode"], det_env) if det else ([], None)
+        extra, env = (["--deterministic-mode"], DET_ENV) if det else ([], None)
         if "dmoe" + det in stages:
             shutil.rmtree(ckpt, ignore_errors=True)
             record(megatron_lm("dmoe" + det, out, mlm, SPEC + MOE_FLAGS + extra + [
@@ -269,7 +269,7 @@ def main() -> int:
         n = torch.cuda.device_count()
         for ep in [p for p in (1, 2, 4, 8) if p <= n and n % p == 0]:
             r = megatron_lm(f"ep{ep}-of-{n}", out, mlm, SPEC + MOE_FLAGS + [
-                "--expert-model-parallel-size", str(ep), "--deterministic-mode"], env=det_env, nproc=n, micro=8)
+                "--expert-model-parallel-size", str(ep), "--deterministic-mode"], env=DET_ENV, nproc=n, micro=8)
             record(against(r, f"ep1-of-{n}") if ep > 1 else r)
     if "readme" in stages:
         readme(out, mlm, record)
