@@ -138,11 +138,15 @@ class ColumnLinear(ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear; plain F.linear at TP = 1 (see _linear_forward), with
     a handed-back bias added inside the GEMM (returned as None; see _bias_in_gemm)."""
 
+    def bias_in_gemm(self) -> bool:
+        """A handed-back bias goes inside the GEMM (_bias_in_gemm); the MLP's first layer keeps
+        handing it back where megatron-core fuses the bias into the activation
+        (bias_activation_fusion, Megatron-LM's default)."""
+        return (self.skip_bias_add and not self.config.bias_activation_fusion
+                and _bias_in_gemm(self, self.output_size_per_partition, self.output_size))
+
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        # (the MLP's first layer keeps handing its bias back where megatron-core fuses the bias
-        # into the activation: bias_activation_fusion, Megatron-LM's default)
-        if (self.skip_bias_add and weight is None and not self.config.bias_activation_fusion
-                and _bias_in_gemm(self, self.output_size_per_partition, self.output_size)):
+        if weight is None and self.bias_in_gemm():
             return F.linear(input_, self.weight, self.bias), None
         return super().forward(input_, weight, runtime_gather_output)
 
@@ -160,8 +164,12 @@ class RowLinear(RowParallelLinear):
     """megatron-core's RowParallelLinear; plain F.linear at TP = 1 (see _linear_forward), with
     a handed-back bias added inside the GEMM (returned as None; see _bias_in_gemm)."""
 
+    def bias_in_gemm(self) -> bool:
+        """The bias goes inside the GEMM (_bias_in_gemm)."""
+        return _bias_in_gemm(self, self.input_size_per_partition, self.input_size)
+
     def forward(self, input_):
-        if _bias_in_gemm(self, self.input_size_per_partition, self.input_size):
+        if self.bias_in_gemm():
             return F.linear(input_, self.weight, self.bias), None
         return super().forward(input_)
 

@@ -372,7 +372,7 @@ def test_a_bias_inside_the_gemm_is_the_float64_product_plus_bias(ad, monkeypatch
             layer.bias.normal_()
         x = torch.randn(5, 3, n_in, requires_grad=True)
         out, bias = layer(x)
-        assert bias is None
+        assert bias is None and layer.bias_in_gemm()
         x64 = x.detach().double().requires_grad_()
         w64, b64 = (t.detach().double().requires_grad_() for t in (layer.weight, layer.bias))
         ref = x64 @ w64.T + b64
@@ -384,25 +384,17 @@ def test_a_bias_inside_the_gemm_is_the_float64_product_plus_bias(ad, monkeypatch
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
         for attr in ("gradient_accumulation_fusion", "sequence_parallel"):
             monkeypatch.setattr(layer, attr, True)
-            assert not spec_bias_in_gemm(layer)
+            assert not layer.bias_in_gemm()
             monkeypatch.undo()
         monkeypatch.setenv("MEGATRON_MOE_BIAS_IN_GEMM", "0")
-        assert not spec_bias_in_gemm(layer)
+        assert not layer.bias_in_gemm()
         out, bias = layer(x)
         assert bias is layer.bias
         torch.testing.assert_close(out + bias, ref.detach().float(), rtol=1e-5, atol=1e-5)
         monkeypatch.undo()
     monkeypatch.setattr(col.config, "bias_activation_fusion", True)
     out, bias = col(torch.randn(5, 3, 16))
-    assert bias is col.bias
-
-
-def spec_bias_in_gemm(layer) -> bool:
-    from megatron_moe.megatron.spec import ColumnLinear, _bias_in_gemm
-
-    if isinstance(layer, ColumnLinear):
-        return _bias_in_gemm(layer, layer.output_size_per_partition, layer.output_size)
-    return _bias_in_gemm(layer, layer.input_size_per_partition, layer.input_size)
+    assert bias is col.bias and not col.bias_in_gemm()
 
 
 def test_aux_loss_gradient_reaches_router_through_lm_loss_alone(ad):
