@@ -56,11 +56,16 @@ def _destroy() -> None:
 def setup_distributed() -> DistInfo:
     """Initialise torch.distributed: env:// under torchrun, else a world of one process.
 
-    NCCL with device LOCAL_RANK when CUDA is available, gloo on the CPU. Idempotent.
+    NCCL with device LOCAL_RANK when CUDA is available, gloo on the CPU. Idempotent. A
+    LOCAL_RANK with no GPU of its own is a ValueError naming the fix.
     """
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # else CUDA's "invalid device ordinal", and the other ranks wait for this one
+            raise ValueError(f"LOCAL_RANK={local_rank} but this machine shows {gpus} GPU(s): start at most {gpus} "
+                             f"processes per node (torchrun --nproc-per-node={gpus}), or check CUDA_VISIBLE_DEVICES")
         torch.cuda.set_device(local_rank)
     created = False
     if not dist.is_initialized():

@@ -13,19 +13,22 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import megatron_moe.training.distributed as distributed
 
 
-def _setup_with(monkeypatch, cuda: bool, env: dict) -> tuple[dict, list]:
-    """setup_distributed with CUDA said to be there or not, and init_process_group and atexit
-    recorded instead of run: (init_process_group's keyword arguments, the exit functions)."""
+def _setup_with(monkeypatch, cuda: bool, env: dict, gpus: int = 8) -> tuple[dict, list]:
+    """setup_distributed with CUDA said to be there (with ``gpus`` GPUs) or not, and
+    init_process_group and atexit recorded instead of run: (init_process_group's keyword
+    arguments, the exit functions)."""
     calls, at_exit = {}, []
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus if cuda else 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     monkeypatch.setattr(dist, "is_initialized", lambda: "backend" in calls)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
@@ -50,6 +53,19 @@ def test_a_world_of_one_on_the_gpu_names_device_0(monkeypatch):
     calls, _ = _setup_with(monkeypatch, True, {})
     assert calls["backend"] == "nccl" and calls["device_id"] == torch.device("cuda", 0)
     assert calls["world_size"] == 1 and calls["rank"] == 0
+
+
+def test_a_local_rank_without_its_gpu_is_refused_before_the_group(monkeypatch):
+    """More processes per node than GPUs (torchrun --nproc-per-node=2 on one GPU): a one-line
+    error naming LOCAL_RANK and the fix, before init_process_group (else CUDA's "invalid device
+    ordinal" here, and the other ranks wait for this one until their timeout)."""
+    with pytest.raises(ValueError) as e:
+        _setup_with(monkeypatch, True, {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, gpus=1)
+    msg = str(e.value)
+    assert "\n" not in msg and "LOCAL_RANK=1" in msg and "1 GPU(s)" in msg and "--nproc-per-node=1" in msg
+    assert not dist.is_initialized()
+    calls, _ = _setup_with(monkeypatch, True, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, gpus=1)
+    assert calls["device_id"] == torch.device("cuda", 0)  # the rank that has its GPU starts
 
 
 def test_the_cpu_group_has_no_device(monkeypatch):

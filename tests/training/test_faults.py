@@ -313,15 +313,21 @@ def _start(args: list[str], hooks: list[str] | None = None, **env) -> subprocess
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(proc: subprocess.Popen, cond, timeout: float = 240.0) -> None:
+def _wait_for(proc: subprocess.Popen | list[subprocess.Popen], cond, timeout: float = 240.0) -> None:
+    """Until ``cond()``; a run (any rank of a list) that ends before then fails the test with its output."""
+    procs = proc if isinstance(proc, list) else [proc]
     deadline = time.monotonic() + timeout
     while not cond():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before the moment to kill "
-                                 f"it:\n{out[-2000:]}\n{err[-3000:]}")
+        for p in procs:
+            if p.poll() is not None:
+                out, err = p.communicate()
+                for q in procs:
+                    q.kill()
+                raise AssertionError(f"the run ended (rc {p.returncode}) before the moment to kill "
+                                     f"it:\n{out[-2000:]}\n{err[-3000:]}")
         if time.monotonic() > deadline:
-            proc.kill()
+            for p in procs:
+                p.kill()
             raise AssertionError("timed out waiting for the moment to kill the run")
         time.sleep(0.002)
 
@@ -416,8 +422,9 @@ def test_sigterm_saves_after_the_step_and_resume_continues_exactly(workdir, stra
 
 
 def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(workdir):
-    """Two processes (gloo); SIGUSR1 reaches rank 1 alone: both ranks stop after the same step
-    (the ranks agree on it), the checkpoint of that step is complete and both exit 0."""
+    """Two processes (gloo, on the CPU also on a GPU machine, which may have one GPU); SIGUSR1
+    reaches rank 1 alone: both ranks stop after the same step (the ranks agree on it), the
+    checkpoint of that step is complete and both exit 0."""
     from _util import free_port
 
     name = "sigusr1-2ranks"
@@ -426,9 +433,10 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_same_step(workdir)
     procs = [subprocess.Popen(trainer_cmd(_args(workdir, name)), cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=trainer_env(OMP_NUM_THREADS="1", RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                              CUDA_VISIBLE_DEVICES=""))
              for r in range(2)]
-    _wait_for(procs[0], lambda: len(_metrics(run_dir)) >= 3)
+    _wait_for(procs, lambda: len(_metrics(run_dir)) >= 3)
     procs[1].send_signal(signal.SIGUSR1)
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
