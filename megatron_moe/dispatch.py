@@ -65,13 +65,15 @@ class LocalDispatcher(Dispatcher):
 class ExchangeTimer:
     """GPU time of the token exchanges (forward and backward, all layers), from CUDA events around
     each all_to_all_single: no host synchronisation; read after the step's own sync with
-    :func:`exchange_time_ms`. The time includes waiting for the slowest rank of the group."""
+    :func:`exchange_time_ms`. The time includes waiting for the slowest rank of the group. Not
+    inside a CUDA-graph capture (timing events cannot be recorded there): graphed exchanges go
+    unmeasured."""
 
     _pairs: list = []
 
     @classmethod
     def start(cls, device):
-        if device.type != "cuda":
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()

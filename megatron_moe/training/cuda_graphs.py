@@ -33,10 +33,13 @@ Why a replay is the eager micro-batch:
 
 What a graph cannot hold, refused at start-up with one line each (:func:`check_supported`):
 a host synchronisation inside the forward or the backward, i.e. ``model.moe.mlp_impl``
-'reference' or 'capacity', expert parallelism (the exchange's split sizes are read by the
-host), ``MEGATRON_MOE_CHECK_FINITE``; a run on the CPU. Data parallelism works, with the
-gradient reduction after the backward instead of overlapped with it (the backward's
-per-parameter hooks that start bucket reductions run only at capture).
+'reference' or 'capacity', expert parallelism with ``model.moe.a2a_splits=host`` (the exchange's
+split sizes are read by the host), ``MEGATRON_MOE_CHECK_FINITE``; a run on the CPU. Data
+parallelism works, and expert parallelism with ``a2a_splits=padded`` (fixed-size exchanges, no
+host read: the graph holds the NCCL all-to-alls), with the gradient reduction after the backward
+instead of overlapped with it (the backward's per-parameter hooks that start bucket reductions
+run only at capture). The exchanges' time (``a2a_ms``) is then not measured: CUDA's timing
+events cannot be recorded inside a capture.
 
 ``auto`` (the default, :func:`resolve_mode`) is ``micro_batch`` for a run of one process on a
 GPU whose model passes :func:`check_supported`, and ``none`` otherwise: on the CPU, under data or
@@ -55,20 +58,22 @@ __all__ = ["MicroBatchGraph", "EagerReplay", "check_supported", "resolve_mode"]
 _NO_GRAPH_IMPLS = ("reference", "capacity")  # their forward reads device values on the host
 
 
-def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: int,
+def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: int, a2a_splits: str = "host",
                     simulated: bool = False) -> None:
     """Refuse what a CUDA graph of the micro-batch cannot hold (ValueError, one line naming the
-    setting and the fix). ``simulated``: tests run :class:`EagerReplay` on the CPU."""
+    setting and the fix). ``a2a_splits``: ``model.moe.a2a_splits`` (matters with ``ep_size`` > 1).
+    ``simulated``: tests run :class:`EagerReplay` on the CPU."""
     if mode in ("none", "auto"):  # auto: resolve_mode decides, and never refuses
         return
     off = "or train.cuda_graphs=none"
     if device.type != "cuda" and not simulated:
         raise ValueError(f"train.cuda_graphs={mode} needs a CUDA GPU (this run is on the {device.type}): "
                          "set train.cuda_graphs=none")
-    if ep_size > 1:
-        raise ValueError(f"model.moe.expert_parallel_size={ep_size}: the token exchange's sizes are read "
-                         f"by the host in every forward, which a CUDA graph cannot hold; train.cuda_graphs="
-                         f"{mode} runs with model.moe.expert_parallel_size=1 (set it, {off})")
+    if ep_size > 1 and a2a_splits != "padded":
+        raise ValueError(f"model.moe.expert_parallel_size={ep_size} with model.moe.a2a_splits={a2a_splits}: the "
+                         f"token exchange's sizes are read by the host in every forward, which a CUDA graph "
+                         f"cannot hold; set model.moe.a2a_splits=padded (no host read, {ep_size}x the "
+                         f"exchange's bytes) {off}")
     from megatron_moe.experts import resolve_mlp_impl
 
     for layer in layers:
@@ -83,7 +88,7 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
 
 
 def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int, world_size: int,
-                 simulated: bool = False) -> tuple[str, str]:
+                 a2a_splits: str = "host", simulated: bool = False) -> tuple[str, str]:
     """``train.cuda_graphs`` as the run applies it, and why ``auto`` gave ``none`` ("" otherwise):
     ``auto`` is ``micro_batch`` on a GPU (or ``simulated``) in a one-process run that
     :func:`check_supported` accepts, else ``none``; the other modes are themselves."""
@@ -95,7 +100,8 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
         return "none", (f"{world_size} processes: eager steps overlap the gradient reduction with the "
                         "backward")
     try:
-        check_supported("micro_batch", device=device, layers=layers, ep_size=ep_size, simulated=simulated)
+        check_supported("micro_batch", device=device, layers=layers, ep_size=ep_size, a2a_splits=a2a_splits,
+                        simulated=simulated)
     except ValueError as e:
         return "none", str(e).split(": ")[0]
     return "micro_batch", ""

@@ -224,6 +224,7 @@ def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, s
     train_ds, valid_ds, n_valid, data_info = _data(cfg, run_print, logger, rank)
 
     ep = mc.moe.expert_parallel_size if mc.moe is not None else 1
+    a2a = mc.moe.a2a_splits if mc.moe is not None else "host"
     try:
         groups = init_parallel_groups(ep, num_experts=mc.moe.num_experts if mc.moe is not None else None)
     except ValueError as e:
@@ -262,18 +263,18 @@ def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, s
               valid_loader=valid_loader, flops_per_token=float(flops_per_token(mc)), peak_tflops=peak,
               step=step, consumed=consumed, first_info={"world_size": world, **data_info})
     mode, why = resolve_mode(tc.cuda_graphs, device=device, layers=layers, ep_size=ep, world_size=world,
-                             simulated=hooks.cuda_graphs_on_cpu)
+                             a2a_splits=a2a, simulated=hooks.cuda_graphs_on_cpu)
     if why and device.type == "cuda":
         run.print(f"cuda graphs: off, eager steps (train.cuda_graphs=auto: {why})")
     if mode != "none":
-        run.graph = _micro_batch_graph(run, ep, mode)
+        run.graph = _micro_batch_graph(run, ep, a2a, mode)
     return run
 
 
-def _micro_batch_graph(run: Run, ep: int, mode: str) -> MicroBatchGraph:
+def _micro_batch_graph(run: Run, ep: int, a2a_splits: str, mode: str) -> MicroBatchGraph:
     """train.cuda_graphs=micro_batch: the graph of ``_micro_batch``, captured at the first step."""
     tc = run.cfg.train
-    check_supported(mode, device=run.di.device, layers=run.layers, ep_size=ep,
+    check_supported(mode, device=run.di.device, layers=run.layers, ep_size=ep, a2a_splits=a2a_splits,
                     simulated=hooks.cuda_graphs_on_cpu)
     if run.di.world_size > 1 and tc.overlap_grad_reduce:
         run.print("note: with train.cuda_graphs the gradient reduction runs after the backward "
@@ -690,8 +691,10 @@ def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
     set_deterministic(tc.deterministic)  # before CUDA / NCCL initialise
     di = setup_distributed()
     try:  # what needs no model (the device, expert parallelism), before the data is prepared
+        moe = cfg.model.moe
         check_supported(tc.cuda_graphs, device=di.device, layers=[], simulated=hooks.cuda_graphs_on_cpu,
-                        ep_size=cfg.model.moe.expert_parallel_size if cfg.model.moe is not None else 1)
+                        ep_size=moe.expert_parallel_size if moe is not None else 1,
+                        a2a_splits=moe.a2a_splits if moe is not None else "host")
     except ValueError as e:
         raise TrainError(str(e)) from None
     lock = _lock_run_dir(cfg.run_dir, di)  # before the run reads or writes its directory

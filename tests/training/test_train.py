@@ -203,7 +203,8 @@ def test_bf16_params_resume_is_exact_and_tracks_fp32(workdir, straight):
     got = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "bf16-resumed")]
     assert len(got) == STEPS and got == want
     state = torch.load(latest_checkpoint(workdir / "runs" / "bf16-straight") / "model.pt", weights_only=True)
-    assert all(v.dtype == torch.float32 for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    floats = [v for v in state.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert all(v.dtype == torch.float32 for v in floats)
     fp32 = [r["lm_loss"] for r in read_metrics(straight)]
     assert max(abs(a - b) for a, b in zip(want, fp32)) < 0.05, (want, fp32)
     assert want != fp32  # it really ran in bf16
@@ -711,6 +712,32 @@ def test_cuda_graph_bookkeeping_with_bf16_params(workdir, name, extra):
         rows[mode] = read_metrics(workdir / "runs" / f"{name}-{mode}")
     for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/layer1/max_share"):
         assert [r[key] for r in rows["micro_batch"]] == [r[key] for r in rows["none"]], key
+
+
+def test_cuda_graph_bookkeeping_under_expert_parallelism(workdir):
+    """EP=2 over 2 gloo ranks with the exchange that needs no host read (a2a_splits=padded) and
+    the CPU stand-in for the graph: 6 steps, each equal to the eager EP run's (every digit; both
+    reduce the gradients after the backward, as a graph does). With the host-read exchange the
+    trainer refuses graphs in one line, before the data is prepared."""
+    rows = {}
+    for mode in ("none", "micro_batch"):
+        args = _overrides(workdir, f"ep2-padded-{mode}", "logging.wandb=false", "train.train_iters=6",
+                          "train.lr_warmup_iters=2", "train.save_final=false", "train.eval_interval=0",
+                          "model.moe.expert_parallel_size=2", "model.moe.a2a_splits=padded",
+                          "train.overlap_grad_reduce=false", f"train.cuda_graphs={mode}")
+        _run(args, hooks=["--cuda-graphs-on-cpu"], nproc=2, OMP_NUM_THREADS="1")
+        rows[mode] = read_metrics(workdir / "runs" / f"ep2-padded-{mode}")
+    assert len(rows["micro_batch"]) == 6 and "cuda_graph_capture_s" in rows["micro_batch"][0]
+    for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/ep_rank_imbalance", "expert_load/layer1/max_share"):
+        assert [r[key] for r in rows["micro_batch"]] == [r[key] for r in rows["none"]], key
+
+    args = _overrides(workdir, "ep2-host-graphs", "logging.wandb=false", "model.moe.expert_parallel_size=2",
+                      f"data.cache_dir={workdir / 'cache-refused'}", "train.cuda_graphs=micro_batch")
+    proc = _run(args, hooks=["--cuda-graphs-on-cpu"], nproc=2, OMP_NUM_THREADS="1", check=False)
+    assert proc.returncode != 0
+    assert ("model.moe.expert_parallel_size=2 with model.moe.a2a_splits=host: the token exchange's sizes are "
+            "read by the host in every forward") in proc.stderr, proc.stderr[-2000:]
+    assert not (workdir / "cache-refused").exists()
 
 
 # ----------------------------------------------------------------------------- bf16 moments
