@@ -40,7 +40,8 @@ def run(name: str, config: str, overrides: list[str], env: dict, out: Path) -> d
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=900).returncode
     rows = [json.loads(line) for p in runs.glob("*/metrics.jsonl") for line in p.read_text().splitlines()]
     steps = {r["step"]: r.get("step_time_s") for r in rows if "step" in r}
-    tuned = sum(line.startswith("megatron-moe: tuned") for line in (out / f"first_step_{name}.log").read_text().splitlines())
+    log_lines = (out / f"first_step_{name}.log").read_text().splitlines()
+    tuned = sum(line.startswith("megatron-moe: tuned") for line in log_lines)
     return {"name": name, "rc": rc, "wall_s": round(time.time() - t0, 1), "step1_s": steps.get(1),
             "step2_s": steps.get(2), "tuned_lines": tuned}
 
@@ -71,7 +72,8 @@ def main() -> int:
     for f in tuning.glob("*.json"):
         shutil.copy(f, args.out / f.name)
     (args.out / "first_step.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{args.config}: first step in fresh processes\n| run | step 1 s | step 2 s | tuned launches |\n|---|---|---|---|")
+    print(f"\n{args.config}: first step in fresh processes\n"
+          "| run | step 1 s | step 2 s | tuned launches |\n|---|---|---|---|")
     for r in results:
         s1 = "-" if r["step1_s"] is None else f"{r['step1_s']:.1f}"
         s2 = "-" if r["step2_s"] is None else f"{r['step2_s']:.2f}"

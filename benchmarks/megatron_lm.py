@@ -100,7 +100,8 @@ def megatron_lm(name: str, out: Path, mlm: Path, extra: list[str], env: dict | N
                             timeout=timeout).returncode
     text = log.read_text()
     rows = {int(m[1]): (float(m[2]), float(m[3]) if m[3] else None, float(m[4])) for m in ITER_RE.finditer(text)}
-    result = {"name": name, "rc": rc, "wall_s": round(time.time() - t0, 1), "losses": {i: r[2] for i, r in rows.items()}}
+    result = {"name": name, "rc": rc, "wall_s": round(time.time() - t0, 1),
+              "losses": {i: r[2] for i, r in rows.items()}}
     late = [r for i, r in sorted(rows.items()) if i > STEPS // 2]
     if late:
         ms = statistics.median(r[0] for r in late)

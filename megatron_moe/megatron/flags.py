@@ -41,7 +41,7 @@ Precedence (:func:`resolve_model_config`):
 | model.moe.expert_bias_update_rate | moe_router_bias_update_rate | --moe-router-bias-update-rate |
 | model.moe.shared_expert_ffn_hidden_size | moe_shared_expert_intermediate_size (None = 0) | --moe-shared-expert-intermediate-size |
 | model.moe.expert_parallel_size | expert_model_parallel_size | --expert-model-parallel-size |
-"""
+"""  # noqa: E501 (the table rows above)
 from __future__ import annotations
 
 import copy

@@ -45,7 +45,8 @@ def route(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, *, s
     weights, aux and z are differentiable with respect to the logits (kernels/router.py defines
     them). ``bias_E`` (or None) shifts the selection only."""
     kw = dict(softmax=softmax, normalize=normalize, aux_coeff=float(aux_coeff), z_coeff=float(z_coeff))
-    if fused and fused_router() and logits_TE.shape[0] > 0 and logits_TE.dtype == torch.float32 and use_triton(logits_TE):
+    if (fused and fused_router() and logits_TE.shape[0] > 0 and logits_TE.dtype == torch.float32
+            and use_triton(logits_TE)):
         return _Route.apply(logits_TE, None if bias_E is None else bias_E.float().contiguous(), top_k,
                             kw["softmax"], kw["normalize"], kw["aux_coeff"], kw["z_coeff"])
     return route_reference(logits_TE, bias_E, top_k, **kw)

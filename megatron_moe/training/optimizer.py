@@ -93,8 +93,8 @@ class AdamW(torch.optim.AdamW):
             with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             missing = sum(id(p) not in self._copy_of for p in with_grad)
             if missing:
-                raise ValueError(f"megatron_moe.training.optimizer.AdamW: {missing} of {len(with_grad)} parameters have "
-                                 "no compute copy: set_copies must cover every parameter (or none)")
+                raise ValueError(f"megatron_moe.training.optimizer.AdamW: {missing} of {len(with_grad)} parameters "
+                                 "have no compute copy: set_copies must cover every parameter (or none)")
         params, grads, exp_avgs, exp_avg_sqs, hyper, steps, counts = [], [], [], [], [], [], []
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:

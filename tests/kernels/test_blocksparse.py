@@ -1,4 +1,5 @@
-"""Block-sparse path: gather/scatter of rows (padded and sorted layouts), SDD/DSD/DDS/TSD kernels and the blocksparse_mlp op.
+"""Block-sparse path: gather/scatter of rows (padded and sorted layouts), SDD/DSD/DDS/TSD kernels and the
+blocksparse_mlp op.
 
 Kernels are checked against a dense torch.mm masked to the topology (built here from the expert
 ids alone); the op against a float64 per-token loop. Outputs are poisoned (NaN) before the

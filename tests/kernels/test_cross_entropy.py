@@ -93,4 +93,5 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="labels must be"):
         cross_entropy_fwd(torch.randn(3, 4, device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="logits must be"):
-        cross_entropy_fwd(torch.zeros(3, 4, dtype=torch.long, device=DEVICE), torch.zeros(3, dtype=torch.long, device=DEVICE))
+        cross_entropy_fwd(torch.zeros(3, 4, dtype=torch.long, device=DEVICE),
+                          torch.zeros(3, dtype=torch.long, device=DEVICE))

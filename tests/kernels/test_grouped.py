@@ -150,7 +150,8 @@ def test_grouped_mlp_matches_reference_experts(device):
     T, H, F, E, K = 13, 20, 18, 5, 2
     ids_TK, routing = routing_for("random", T, E, K, device, seed=3)
     gen = torch.Generator().manual_seed(4)
-    x, w1, w2 = torch.randn(T, H, generator=gen), torch.randn(E, H, 2 * F, generator=gen), torch.randn(E, F, H, generator=gen)
+    x, w1, w2 = (torch.randn(T, H, generator=gen), torch.randn(E, H, 2 * F, generator=gen),
+                  torch.randn(E, F, H, generator=gen))
     wts = torch.rand(T, K, generator=gen)
     x, w1, w2, wts = (t.to(device) for t in (x, w1, w2, wts))
     y = triton_grouped_mlp(x, w1, w2, wts, routing, "swiglu")
@@ -537,7 +538,8 @@ def test_padding_rows_are_skipped(device):
     w1 = torch.randn(E, H, F, generator=gen) / math.sqrt(H)
     w2 = torch.randn(E, F, H, generator=gen) / math.sqrt(F)
     dy = torch.randn(T, H, generator=gen)
-    experts = Experts(MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, mlp_impl="triton_grouped", block_size=16))
+    experts = Experts(MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, mlp_impl="triton_grouped",
+                                block_size=16))
     leaves = [t.to(device, copy=True).requires_grad_() for t in (x, w1, w2)]
     y, _ = experts(leaves[0], ids.to(device), torch.ones(T, 1, device=device), w1=leaves[1], w2=leaves[2],
                    skip_padding=True)

@@ -127,7 +127,8 @@ def test_our_config_gives_what_megatron_has_no_flag_for(ad, tmp_path, monkeypatc
      r"\(e\.g\. MEGATRON_MOE_OVERRIDES='model\.moe\.top_k=2'\)"),
     ("model:\n  hidden_size: 64\n  moe: {}\n", {}, r"model\.hidden_size=64 .* hidden_size=32 \(--hidden-size\)"),
     ("model:\n  moe: null\n", {}, r"model\.moe=None .* num_moe_experts=4 \(--num-experts\)"),
-    ("model:\n  moe:\n    normalize_top_k: false\n", {}, r"model\.moe\.normalize_top_k=False .*--moe-router-pre-softmax"),
+    ("model:\n  moe:\n    normalize_top_k: false\n", {},
+     r"model\.moe\.normalize_top_k=False .*--moe-router-pre-softmax"),
     ("model:\n  moe:\n    ffn_hidden_size: null\n", dict(moe_ffn_hidden_size=48),
      r"model\.moe\.ffn_hidden_size=None .* moe_ffn_hidden_size=48 \(--moe-ffn-hidden-size\)"),
     ("model:\n  moe:\n    expert_parallel_size: 2\n", {}, r"expert_parallel_size=2 .*--expert-model-parallel-size"),
@@ -155,7 +156,8 @@ def test_a_model_config_object_states_every_field(ad):
     # MoEConfig's default aux_loss_coeff (0.01) is not megatron-core's (0.0)
     with pytest.raises(ValueError, match=r"model\.moe\.aux_loss_coeff=0\.01 in the ModelConfig given to the "
                                          r"spec .* moe_aux_loss_coeff=0\.0 \(--moe-aux-loss-coeff\)"):
-        mlp(megatron_config(num_moe_experts=4), model_cfg=tiny(moe={"num_experts": 4, "top_k": 2, "normalize_top_k": True}))
+        mlp(megatron_config(num_moe_experts=4),
+            model_cfg=tiny(moe={"num_experts": 4, "top_k": 2, "normalize_top_k": True}))
 
 
 @pytest.mark.parametrize("flags, message", [

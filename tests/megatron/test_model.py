@@ -1,5 +1,6 @@
 """The megatron-core GPT with our MoE: config validation, attention, losses, aux-loss gradient,
-expert marks, parameter and FLOP counts, bf16 autocast and bf16 parameters, the Megatron-LM --spec path, the paper configs.
+expert marks, parameter and FLOP counts, bf16 autocast and bf16 parameters, the Megatron-LM --spec path,
+the paper configs.
 
     pytest tests/megatron/test_model.py            # about a minute on 2 CPU cores
 
@@ -111,7 +112,8 @@ def test_model_config_layers_and_moe_config():
     (dict(moe={"aux_loss_coeff": -1}), r"model\.moe\.aux_loss_coeff=-1"),
     (dict(moe={"score_function": "relu"}), r"model\.moe\.score_function='relu'"),
     (dict(moe={"moe_layer_freq": 0}), r"model\.moe\.moe_layer_freq=0"),
-    (dict(moe={"num_experts": 6, "expert_parallel_size": 4}), r"model\.moe\.expert_parallel_size=4 .*divisor of model\.moe\.num_experts \(6\)"),
+    (dict(moe={"num_experts": 6, "expert_parallel_size": 4}),
+     r"model\.moe\.expert_parallel_size=4 .*divisor of model\.moe\.num_experts \(6\)"),
     (dict(moe={"ffn_hidden_size": 0}), r"model\.moe\.ffn_hidden_size=0"),
     (dict(moe=[1, 2]), r"model\.moe=\[1, 2\] is invalid"),
 ])
@@ -514,7 +516,8 @@ def test_bf16_autocast_forward_backward(ad):
 @pytest.mark.parametrize("impl", ["triton_grouped", "capacity"])
 def test_bf16_params_gpt_with_moe_matches_a_bf16_copy(ad, impl):
     """The megatron-core GPT with our MoE (experts keep their expert_parallel mark on the copies):
-    loss and every master gradient equal a deep copy cast to bf16 (megatron_moe/training/precision.py; buffers stay fp32 in both)."""
+    loss and every master gradient equal a deep copy cast to bf16 (megatron_moe/training/precision.py;
+    buffers stay fp32 in both)."""
     from megatron_moe.training.precision import BF16Params
 
     cfg = tiny(moe={"num_experts": 4, "top_k": 2, "mlp_impl": impl}, position_embedding_type="rope",

@@ -121,7 +121,8 @@ def test_first_step_startup_left_out_of_wall_time(tmp_path):
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
 COMMITTED = sorted(d for d in os.listdir(RESULTS)
-                   if os.path.isdir(os.path.join(RESULTS, d, "runs")) and os.path.isfile(os.path.join(RESULTS, d, "table.md")))
+                   if os.path.isdir(os.path.join(RESULTS, d, "runs"))
+                   and os.path.isfile(os.path.join(RESULTS, d, "table.md")))
 
 
 def test_committed_results_keep_their_runs():

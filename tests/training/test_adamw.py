@@ -57,7 +57,8 @@ def test_kernel_matches_float64_over_steps(copy_dtype):
                               scale=scale) for (p, m, v), g, wd in zip(want, gs, wds)]
         for k, (p, m, v) in enumerate(want):
             for got, ref in zip((dev[0][k], dev[1][k], dev[2][k]), (p, m, v)):
-                torch.testing.assert_close(got.cpu().double(), ref, rtol=2e-6, atol=1e-7 * (ref.abs().max().item() if ref.numel() else 1))
+                torch.testing.assert_close(got.cpu().double(), ref, rtol=2e-6,
+                                           atol=1e-7 * (ref.abs().max().item() if ref.numel() else 1))
             if copies is not None:
                 _rounded(copies[k].cpu(), dev[0][k].cpu())
 
@@ -176,7 +177,8 @@ def test_optimizer_with_bf16_moments_tracks_fp32_moments_and_moves_checkpoints()
     gen = torch.Generator().manual_seed(8)
     for _ in range(20):
         for a, b in zip(bf_p, fp_p):
-            a.grad = torch.randn(a.shape, generator=gen).to(DEVICE) * (1 + torch.rand(a.shape, generator=gen).to(DEVICE))
+            a.grad = torch.randn(a.shape, generator=gen).to(DEVICE) * (
+                1 + torch.rand(a.shape, generator=gen).to(DEVICE))
             b.grad = a.grad.clone()
         bf.step()
         fp.step()

@@ -41,7 +41,8 @@ def expected(world, ep):
         batches = [torch.randn(6, 8, generator=gen).double() for _ in range(2)]
         for x in batches:
             (model(x, rank) / len(batches)).backward()
-        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()})
+        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                         for n, p in model.named_parameters()})
     want = []
     for rank in range(world):
         g = {}

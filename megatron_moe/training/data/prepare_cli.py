@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-moe-prepare-data: error: {e}", file=sys.stderr)
         return 2
-    corpus = ", ".join(cfg.paths) if cfg.paths else (cfg.data_prefix or f"Python sources, {cfg.default_corpus_mb:g} MB (stdlib, then site-packages)")
+    corpus = ", ".join(cfg.paths) if cfg.paths else (
+        cfg.data_prefix or f"Python sources, {cfg.default_corpus_mb:g} MB (stdlib, then site-packages)")
     print(f"corpus     {corpus}")
     print(f"documents  {prepared.num_documents:,} ({prepared.num_sequences:,} sequences)")
     print(f"tokens     {prepared.num_tokens:,}")
