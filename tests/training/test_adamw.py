@@ -302,6 +302,31 @@ def test_nothing_to_update_and_no_closures():
         assert all(float(opt.state[p]["step"]) == 0 for p in ps) and not opt._host_step
 
 
+def test_zeroing_in_place_is_one_call_per_dtype_and_keeps_the_tensors(monkeypatch):
+    """zero_grad(set_to_none=False), as CUDA-graph steps call it: every gradient is zero, is the
+    same tensor as before (the graph adds into it), no longer requires grad, and the zeroing is
+    one torch._foreach_zero_ per device and dtype; a parameter without a gradient keeps None.
+    set_to_none=True frees them as torch's does."""
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in ((3, 4), (5,), (2, 2))]
+    half = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    idle = torch.nn.Parameter(torch.randn(2))
+    opt = AdamW([{"params": ps + [idle]}, {"params": [half], "weight_decay": 0.0}], lr=1e-3,
+                betas=(0.9, 0.95), eps=1e-8, fused_kernel=False)
+    for p in ps + [half]:
+        p.grad = torch.randn_like(p)
+    ps[0].grad.requires_grad_(True)
+    before = [p.grad for p in ps + [half]]
+    calls = []
+    real = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda ts: (calls.append([t.dtype for t in ts]), real(ts)))
+    opt.zero_grad(set_to_none=False)
+    assert sorted(calls, key=len) == [[torch.float64], [torch.float32] * 3]
+    assert all(p.grad is g and not g.requires_grad and not g.any() for p, g in zip(ps + [half], before))
+    assert idle.grad is None
+    opt.zero_grad()
+    assert all(p.grad is None for p in ps + [half])
+
+
 def test_clip_coefficient_and_measure_only_norm():
     ps = [torch.zeros(3, requires_grad=True), torch.zeros(4, requires_grad=True)]
     ps[0].grad = torch.tensor([3.0, 0.0, 0.0])
