@@ -551,7 +551,8 @@ def _check_scale(scale_S, S: int, name: str = "scale_S") -> None:
 
 def _check_offsets(offsets_E1, E: int) -> None:
     if offsets_E1.dim() != 1 or offsets_E1.shape[0] != E + 1 or offsets_E1.dtype != torch.int32:
-        raise ValueError(f"offsets_E1 must be int32 [E+1] = [{E + 1}], got {tuple(offsets_E1.shape)} {offsets_E1.dtype}")
+        raise ValueError(f"offsets_E1 must be int32 [E+1] = [{E + 1}], "
+                         f"got {tuple(offsets_E1.shape)} {offsets_E1.dtype}")
 
 
 def _num_sorted(a_MK, gather_S) -> int:
@@ -603,6 +604,7 @@ def _launch(kernel, grid, args, meta, tune_key):
         cfg = tuning.stored_config(kernel, key[1:], device)
         if cfg is None:
             tuned_before, start = len(kernel.cache), time.perf_counter()
+            tuning.precompile(kernel, args, meta)  # the candidates compiled in parallel first
             kernel[grid](*args, **meta)
             cfg = getattr(kernel, "best_config", None)
             if cfg is not None:

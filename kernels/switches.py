@@ -20,6 +20,9 @@
 | MEGATRON_MOE_FUSED_NORM | LayerNorm runs kernels/layer_norm.py's    | 0: torch's LayerNorm                          |
 |                         | kernels (the weight gradients reduced in  |                                               |
 |                         | the backward's own pass)                  |                                               |
+| MEGATRON_MOE_COMPILE_WORKERS | a new tuning first compiles its     | N: that many processes; 0 or 1: none (the     |
+|                         | candidates in forked processes, one per   | autotuner compiles them one by one)           |
+|                         | CPU of this rank, at most 8 (tuning.py)   |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -29,8 +32,9 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``), so a test may set those after import. A choice
-already tuned for a key stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
+each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``) or at each new tuning
+(``compile_workers``), so a test may set those after import. A choice already tuned for a key
+stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
 from __future__ import annotations
 
@@ -89,3 +93,19 @@ def fused_router() -> bool:
 def fused_norm() -> bool:
     """MEGATRON_MOE_FUSED_NORM != "0": LayerNorm through kernels/layer_norm.py."""
     return os.environ.get("MEGATRON_MOE_FUSED_NORM", "1") != "0"
+
+
+def compile_workers() -> int:
+    """MEGATRON_MOE_COMPILE_WORKERS: processes that compile a new tuning's candidate configs at once
+    (kernels/tuning.py ``precompile``); unset: this rank's share of the CPUs it may run on
+    (``LOCAL_WORLD_SIZE`` ranks per node), at most 8; 0 or 1: none."""
+    value = os.environ.get("MEGATRON_MOE_COMPILE_WORKERS", "").strip()
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError(f"MEGATRON_MOE_COMPILE_WORKERS={value!r}: expected a whole number of processes "
+                             "(0 or 1: compile one by one)") from None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(8, cpus // ranks))

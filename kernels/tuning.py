@@ -10,6 +10,10 @@ with minutes of tuning on a fresh machine, and again in every new process. Here 
 kept per GPU: a later process takes the stored config, compiles that one alone (from Triton's
 compilation cache when it is there) and times nothing.
 
+A tuning that does run (no stored choice) first compiles the candidates in parallel
+(:func:`precompile`): on a fresh machine most of its seconds are compiles, one CPU core each, and
+the autotuner then loads each candidate from Triton's file cache before timing it.
+
 Where (one JSON file per GPU name and Triton version, ``NVIDIA-H100-80GB-HBM3-triton3.6.0.json``):
   * ``$MEGATRON_MOE_TUNING_CACHE`` (a folder; ``0`` turns storing and reading off), else
     ``$XDG_CACHE_HOME/megatron-moe/tuning``, else ``~/.cache/megatron-moe/tuning``;
@@ -27,18 +31,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
 import triton
+from triton.runtime import driver
+from triton.runtime.autotuner import Autotuner
 
 from . import switches
 
-__all__ = ["stored_config", "remember", "cache_file", "shipped_file", "entry_key"]
+__all__ = ["stored_config", "remember", "cache_file", "shipped_file", "entry_key", "precompile"]
 
 ENV = "MEGATRON_MOE_TUNING_CACHE"
 SHIPPED_DIR = Path(__file__).with_name("tuned")
@@ -164,3 +173,96 @@ def remember(kernel, launch_key, device: torch.device, cfg: triton.Config, tuned
         print(f"megatron-moe: cannot store tuned configs in {path} ({e}); set {ENV} to a writable "
               "folder, or 0", file=sys.stderr)
         _table(path)[key] = entry
+
+
+# ----------------------------------------------------------------------------- parallel compiles
+
+
+class _CompileOnly:
+    """The driver calls a compile (``JITFunction.run(..., warmup=True)``) makes, answered without
+    CUDA: a forked process must not touch the parent's CUDA context."""
+
+    def __init__(self, device: int, target):
+        self.device, self.target = device, target
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def _compile_share(kernel, args, meta, configs, device: int, target) -> None:
+    """A forked process's part: compile ``configs`` for this launch into Triton's file cache."""
+    try:
+        driver.set_active(_CompileOnly(device, target))
+        nargs = dict(zip(kernel.arg_names, args))
+        for cfg in configs:
+            kw = {**meta, **cfg.all_kwargs()}
+            if cfg.pre_hook is not None:  # e.g. a tensor descriptor's box, part of the signature
+                cfg.pre_hook({**nargs, **kw})
+            kernel.fn.run(*args, grid=(1,), warmup=True, **kw)
+    except BaseException:  # its configs are compiled again by the autotuner; nothing to report
+        os._exit(1)
+    os._exit(0)
+
+
+def _tuned_already(kernel, args, meta) -> bool:
+    """Whether the autotuner has a choice for this launch's key (its key arguments and dtypes)."""
+    named = {**dict(zip(kernel.arg_names, args)), **meta}
+    key = [named[k] for k in kernel.keys if k in named]
+    key += [str(v.dtype) for k, v in named.items() if k in kernel.arg_names and hasattr(v, "dtype")]
+    return tuple(key) in kernel.cache
+
+
+_precompile_stuck = False  # a worker outlived its timeout once: this process compiles one by one
+
+
+def precompile(kernel, args, meta, *, workers: int | None = None, timeout: float = 60.0) -> int:
+    """Compile the candidate configs the autotuner ``kernel`` is about to time for this launch
+    (``kernel[grid](*args, **meta)``) into Triton's file cache, in ``workers`` forked processes at
+    once (default ``switches.compile_workers()``); the autotuner then loads each instead of
+    compiling it. Returns how many configs the processes compiled: 0 when skipped (fewer than 2
+    workers or candidates, a key already tuned, no ``fork``, not Triton's autotuner). A process
+    that fails, or outlives ``timeout`` seconds (then killed, and this process stops forking:
+    a fork of a multi-threaded process can deadlock), only leaves its configs to the autotuner;
+    so does an autotuner this cannot read (one line on stderr, then no more forking)."""
+    global _precompile_stuck
+    workers = switches.compile_workers() if workers is None else workers
+    if (workers < 2 or _precompile_stuck or not isinstance(kernel, Autotuner) or len(kernel.configs) < 2
+            or not hasattr(os, "fork")):
+        return 0
+    try:  # Triton's autotuner internals (other versions may differ): a failure costs the speed-up only
+        if _tuned_already(kernel, args, meta):
+            return 0
+        kernel.nargs = dict(zip(kernel.arg_names, args))  # what the prune function reads
+        configs = kernel.prune_configs(meta)
+        device = driver.active.get_current_device()
+        target = driver.active.get_current_target()
+    except Exception as e:
+        _precompile_stuck = True
+        print(f"megatron-moe: candidates compiled one by one ({type(e).__name__}: {e})", file=sys.stderr)
+        return 0
+    if len(configs) < 2:
+        return 0
+    shares = [configs[i::workers] for i in range(min(workers, len(configs)))]
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_compile_share, args=(kernel, args, meta, share, device, target), daemon=True)
+             for share in shares]
+    with warnings.catch_warnings():  # Python 3.12 warns at every fork of a multi-threaded process
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        for p in procs:
+            p.start()
+    deadline, compiled = time.monotonic() + timeout, 0
+    for p, share in zip(procs, shares):
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+            _precompile_stuck = True
+        elif p.exitcode == 0:
+            compiled += len(share)
+    return compiled

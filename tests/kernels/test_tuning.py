@@ -12,6 +12,10 @@ every table shipped in kernels/tuned/ still serves the current kernels (an edite
 entries stale: a fresh machine would tune again).
 """
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +250,44 @@ def test_every_shipped_entry_serves_the_current_kernels(path):
         assert name in kernels, f"{path.name}: no autotuned kernel named {name}; {fix}"
         assert digest == kernels[name][0], f"{path.name}: {name} changed since its entries were tuned; {fix}"
         assert entry["config"] in kernels[name][1], f"{path.name}: {name}'s stored config is no candidate; {fix}"
+
+
+# ----------------------------------------------------------------------------- parallel compiles
+
+
+@pytest.mark.slow
+def test_a_new_tuning_compiles_its_candidates_in_forked_processes(tmp_path):
+    """tuning.precompile on a real launch of the row-grouped GEMM, compiled for Hopper without a
+    GPU (tests/kernels/_precompile_sm90.py): two forked processes compile every candidate the
+    autotuner would time, the parent then finds each in Triton's file cache (no compile reaches
+    ptxas in it); one worker is no parallelism (nothing done); a worker whose compile fails
+    leaves only its share undone, silently (the autotuner compiles it)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("_precompile_sm90.py")),
+                           str(tmp_path / "triton-cache"), "check"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = out["candidates"]
+    assert n >= 4 and out["one_worker"] == 0 and out["compiled_by_workers"] == n
+    assert out["cubins_after_loading_all"] == out["cubins_in_parent"]  # all n loaded from the cache
+    assert out["compiled_with_a_failing_worker"] == n - (n + 1) // 2  # the failing share is configs[0::2]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_compile_workers_switch(monkeypatch):
+    from megatron_moe.kernels import switches
+
+    monkeypatch.setenv("MEGATRON_MOE_COMPILE_WORKERS", "3")
+    assert switches.compile_workers() == 3
+    monkeypatch.setenv("MEGATRON_MOE_COMPILE_WORKERS", "0")
+    assert switches.compile_workers() == 0
+    monkeypatch.setenv("MEGATRON_MOE_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match=r"MEGATRON_MOE_COMPILE_WORKERS='many': expected a whole number"):
+        switches.compile_workers()
+    monkeypatch.delenv("MEGATRON_MOE_COMPILE_WORKERS")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000000")  # more ranks than CPUs: still one
+    assert switches.compile_workers() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert 1 <= switches.compile_workers() <= 8
