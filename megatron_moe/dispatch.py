@@ -66,8 +66,8 @@ class ExchangeTimer:
     """GPU time of the token exchanges (forward and backward, all layers), from CUDA events around
     each all_to_all_single: no host synchronisation; read after the step's own sync with
     :func:`exchange_time_ms`. The time includes waiting for the slowest rank of the group. Not
-    inside a CUDA-graph capture (timing events cannot be recorded there): graphed exchanges go
-    unmeasured."""
+    inside a CUDA-graph capture (an event recorded there only orders the stream; it cannot be
+    timed): graphed exchanges go unmeasured."""
 
     _pairs: list = []
 

@@ -38,8 +38,9 @@ split sizes are read by the host), ``MEGATRON_MOE_CHECK_FINITE``; a run on the C
 parallelism works, and expert parallelism with ``a2a_splits=padded`` (fixed-size exchanges, no
 host read: the graph holds the NCCL all-to-alls), with the gradient reduction after the backward
 instead of overlapped with it (the backward's per-parameter hooks that start bucket reductions
-run only at capture). The exchanges' time (``a2a_ms``) is then not measured: CUDA's timing
-events cannot be recorded inside a capture.
+run only at capture). The exchanges' time (``a2a_ms``) is then not measured: events recorded
+inside a capture cannot be timed. ``TORCH_NCCL_BLOCKING_WAIT`` is refused then: its wait polls an
+event of the capture.
 
 ``auto`` (the default, :func:`resolve_mode`) is ``micro_batch`` for a run of one process on a
 GPU whose model passes :func:`check_supported`, and ``none`` otherwise: on the CPU, under data or
@@ -48,6 +49,7 @@ for what a graph cannot hold (the trainer prints which).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -69,6 +71,10 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
     if device.type != "cuda" and not simulated:
         raise ValueError(f"train.cuda_graphs={mode} needs a CUDA GPU (this run is on the {device.type}): "
                          "set train.cuda_graphs=none")
+    if ep_size > 1 and os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").lower() in ("1", "true"):
+        raise ValueError(f"TORCH_NCCL_BLOCKING_WAIT={os.environ['TORCH_NCCL_BLOCKING_WAIT']} with "
+                         f"model.moe.expert_parallel_size={ep_size}: a blocking wait polls an event the CUDA "
+                         f"graph's capture recorded, which breaks it; unset it {off}")
     if ep_size > 1 and a2a_splits != "padded":
         raise ValueError(f"model.moe.expert_parallel_size={ep_size} with model.moe.a2a_splits={a2a_splits}: the "
                          f"token exchange's sizes are read by the host in every forward, which a CUDA graph "

@@ -158,6 +158,22 @@ def test_what_a_graph_cannot_hold_is_refused_in_one_line():
         assert "train.cuda_graphs=none" in str(e.value) or "cuda_graphs=none" in str(e.value)
 
 
+def test_a_blocking_nccl_wait_is_refused_under_expert_parallel_graphs(monkeypatch):
+    """TORCH_NCCL_BLOCKING_WAIT=1 makes the count exchange's wait poll an event recorded in the
+    capture: refused in one line with expert parallelism; without it (no collective captured)
+    it stays allowed."""
+    cuda = torch.device("cuda")
+    padded = [_layer(mlp_impl="triton_grouped", a2a_splits="padded")]
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises(ValueError) as e:
+        check_supported("micro_batch", device=cuda, layers=padded, ep_size=2, a2a_splits="padded")
+    assert str(e.value).startswith("TORCH_NCCL_BLOCKING_WAIT=1 with model.moe.expert_parallel_size=2")
+    assert "\n" not in str(e.value) and "train.cuda_graphs=none" in str(e.value)
+    check_supported("micro_batch", device=cuda, layers=padded, ep_size=1)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    check_supported("micro_batch", device=cuda, layers=padded, ep_size=2, a2a_splits="padded")
+
+
 def test_auto_graphs_one_process_on_a_gpu_where_the_model_allows_else_eager():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     ok = [_layer(mlp_impl="triton_grouped")]
