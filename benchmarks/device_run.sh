@@ -38,7 +38,7 @@ fi
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider "${xdist[@]}" --durations=10 \
-    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/kernels/test_layer_norm.py tests/megatron/test_model.py tests/training/test_cuda_graphs.py tests/training/test_distributed.py} \
+    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/kernels/test_layer_norm.py tests/megatron/test_model.py tests/training/test_cuda_graphs.py tests/training/test_distributed.py tests/kernels/test_tuning.py} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   add "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 fi

@@ -291,3 +291,37 @@ def test_compile_workers_switch(monkeypatch):
     assert switches.compile_workers() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert 1 <= switches.compile_workers() <= 8
+
+
+_GPU_SCRIPT = r"""
+import json, torch
+from megatron_moe.kernels import grouped, tuning
+done = []
+real = tuning.precompile
+tuning.precompile = lambda *a, **k: done.append(real(*a, **k)) or done[-1]
+torch.manual_seed(0)
+a = torch.randn(700, 256, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(3, 256, 384, device="cuda", dtype=torch.bfloat16) / 16
+offsets = torch.tensor([0, 300, 300, 700], device="cuda", dtype=torch.int32)
+out = grouped.grouped_gemm(a, w, offsets)
+ref = torch.cat([a[s:e].double() @ w[i].double() for i, (s, e) in enumerate(zip(offsets[:-1].tolist(),
+                                                                               offsets[1:].tolist()))])
+print(json.dumps({"precompiled": done, "candidates": len(grouped._grouped_gemm_kernel.configs),
+                  "rel_err": ((out.double() - ref).abs().max() / ref.abs().max()).item()}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_new_tuning_on_the_gpu_compiles_in_forked_processes_and_computes_the_reference(tmp_path):
+    """With a CUDA context in the parent: a fresh tuning (empty Triton cache, nothing stored) of
+    the row-grouped GEMM, its candidates compiled by 4 forked processes, then timed and launched
+    by the autotuner: the workers compiled candidates, and the product equals a float64 loop's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(MEGATRON_MOE_AUTOTUNE="1", MEGATRON_MOE_TUNING_CACHE="0", MEGATRON_MOE_COMPILE_WORKERS="4",
+               TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    proc = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["precompiled"] and out["precompiled"][0] >= 2, out
+    assert out["rel_err"] < 2e-2, out  # a bf16 output of an fp32 accumulation (a wrong tile: ~1)
+    assert "Traceback" not in proc.stderr and "one by one" not in proc.stderr, proc.stderr[-3000:]
