@@ -33,11 +33,8 @@ needs Transformer Engine's FusedAdam), ``train.cuda_graphs``, ``train.determinis
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
-
-from megatron_moe.config import MoEConfig
 
 SPEC = ["--spec", "megatron_moe.megatron.spec", "layer_spec"]
 NO_TE_NO_APEX = ["--transformer-impl", "local", "--no-persist-layer-norm", "--no-masked-softmax-fusion",

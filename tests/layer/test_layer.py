@@ -344,7 +344,7 @@ def test_expert_bias_moves_towards_balance():
     b = layer.router.expert_bias
     assert b[1] < 0 and (b[[0, 2, 3]] > 0).all()
     # the bias changes selection only, not the combine weights' gradient path
-    check_against_loop(cfg, T=12, setup=lambda l: l.router.expert_bias.fill_(0.0))
+    check_against_loop(cfg, T=12, setup=lambda layer: layer.router.expert_bias.fill_(0.0))
 
 
 def test_shared_expert_adds_dense_mlp():

@@ -54,7 +54,7 @@ def test_ci_extras_are_pinned():
 
 
 def test_header_points_to_a_readme_section():
-    header = [l for l in (REPO / "constraints.txt").read_text().splitlines() if l.startswith("#")]
+    header = [line for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("#")]
     sections = re.findall(r'README[^"]*"([^"]+)"', " ".join(header))
     assert sections, header
     titles = {m.strip() for m in re.findall(r"^#+ (.+)$", (REPO / "README.md").read_text(), re.M)}

@@ -259,7 +259,7 @@ def test_dry_run_tokens_micro_batch_env_and_overrides():
 def test_bad_input_is_one_line(args, env, message):
     proc = _dry(*args, **env)
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
@@ -322,5 +322,5 @@ def test_parallel_dry_run_one_run_per_gpu_then_the_tables(tmp_path):
 def test_parallel_bad_input_is_one_line(args, env, message):
     proc = _parallel(*args, **env)
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -46,7 +46,7 @@ def run_job(fake_bin, *args, **env):
             e.pop(k, None)
     proc = subprocess.run(["bash", str(SBATCH), *args], env=e, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("SRUN ")]
+    (line,) = [s for s in proc.stdout.splitlines() if s.startswith("SRUN ")]
     srun = json.loads(line[5:])
     i = srun["args"].index("torchrun")
     return srun["args"][:i], srun["args"][i + 1:], srun, proc.stdout
