@@ -21,6 +21,12 @@ write_env() {  # FILE: the GPUs, torch / Triton / CUDA versions and the UTC date
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
     date -u +%Y-%m-%dT%H:%M:%SZ; } > "$1" 2>&1
+  # processes of an earlier command still holding a GPU (one hung at exit, say) make the timings
+  # that follow incomparable and can run them out of memory: said in FILE and on stderr
+  local busy
+  busy=$(nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory --format=csv,noheader 2>/dev/null | tr '\n' ';')
+  [[ -n $busy ]] && echo "WARNING: processes already on the GPUs (pid, bus, memory): $busy" | tee -a "$1" >&2
+  return 0
 }
 
 split_overrides() {  # "a=1,mb=32,b=2" DEFAULT_MB: sets mb (mb=N, else DEFAULT_MB) and extra (the rest)

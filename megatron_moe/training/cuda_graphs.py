@@ -143,6 +143,11 @@ class _CudaGraphs:
     def replay(self, graph, out: torch.Tensor) -> None:
         graph.replay()
 
+    def release(self, graph, wait: bool) -> None:
+        if wait:  # no replay in flight while its memory pool goes back
+            torch.cuda.synchronize()
+        graph.reset()  # CUDA frees an executable graph still in flight once it has run
+
 
 class EagerReplay:
     """A stand-in for the CPU tests: 'capture' runs the step once to make its static output,
@@ -159,6 +164,9 @@ class EagerReplay:
 
     def replay(self, graph, out: torch.Tensor) -> None:
         out.copy_(graph())
+
+    def release(self, graph, wait: bool) -> None:
+        pass
 
 
 class MicroBatchGraph:
@@ -195,6 +203,19 @@ class MicroBatchGraph:
                 self.static[k].copy_(v, non_blocking=True)
         self.backend.replay(self.graph, self.out)
         return self.out
+
+    def release(self, wait: bool = True) -> None:
+        """Free the captured graph, its memory pool and static buffers (a later call captures
+        again). Call it before the process group is destroyed: NCCL's ``ncclCommDestroy`` waits
+        for a live graph that captured the communicator's collectives, so a process whose graph
+        holds the expert-parallel all-to-alls would hang at exit (pytorch/pytorch#115388). The
+        graph cannot go by itself: the step it replays refers back to the trainer, and that
+        cycle is freed by the garbage collector, after the process group. ``wait=False`` (a
+        failed step, whose GPU work may never end) skips waiting for the GPU."""
+        if self.graph is not None:
+            self.backend.release(self.graph, wait)
+        self.graph = self.out = self.static = None
+        self._grad_refs = []
 
     @torch.no_grad()
     def _undo(self, saved_state: list[torch.Tensor], rng) -> None:

@@ -668,13 +668,29 @@ def _train(cfg: RunConfig, resume: bool, di: DistInfo, num_micro: int, stop: Sto
         if ckpt is not None:  # last, so the restored RNG states are the ones the next step sees
             restore(run, ckpt)
         run.stop = stop
-        return _loop(run)
+        result = _loop(run)
     except BaseException as e:
         logger.close(exit_code=1)
+        _release_graph(run, failed=True)
         message = _known_failure(e, cfg.train, run)
         if message is None:
             raise
         raise TrainError(message) from None
+    _release_graph(run)
+    return result
+
+
+def _release_graph(run: Run | None, failed: bool = False) -> None:
+    """The CUDA graph freed while the process group lives (MicroBatchGraph.release: NCCL cannot
+    destroy a communicator that a live graph captured, and the process would hang at exit).
+    After a failure: without waiting for the GPU, and the failure is what propagates."""
+    if run is None or run.graph is None:
+        return
+    try:
+        run.graph.release(wait=not failed)
+    except Exception:
+        if not failed:
+            raise
 
 
 def pretrain(cfg: RunConfig, resume: bool = False) -> dict:

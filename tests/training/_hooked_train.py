@@ -1,10 +1,12 @@
 """The trainer's CLI with fault hooks set, for tests that run it as a subprocess (or under torchrun).
 
     python tests/training/_hooked_train.py [--bf16-on-cpu] [--loss-factor 3:nan,4:inf]
-        [--pause-save STEP:SECONDS] [--oom-at-step N] [--cuda-graphs-on-cpu] -- TRAIN_ARGS...
+        [--pause-save STEP:SECONDS] [--oom-at-step N] [--cuda-graphs-on-cpu] [--report-teardown]
+        -- TRAIN_ARGS...
 
 Each flag sets a field of ``megatron_moe.training.fault_hooks.hooks`` (see there), then
-``megatron_moe.training.train.main(TRAIN_ARGS)`` runs.
+``megatron_moe.training.train.main(TRAIN_ARGS)`` runs. ``--report-teardown`` prints a line when
+the CPU graph stand-in is released and when the process group is destroyed (their order).
 """
 import argparse
 import sys
@@ -21,6 +23,23 @@ def _factors(text: str) -> dict[int, float]:
     return out
 
 
+def _report_teardown() -> None:
+    import torch.distributed as dist
+
+    from megatron_moe.training import cuda_graphs, train
+
+    def release(self, graph, wait):
+        print(f"teardown: graph released (wait={wait}, process group alive={dist.is_initialized()})", flush=True)
+
+    def destroy(*args, **kwargs):
+        print("teardown: process group destroyed", flush=True)
+        return destroy_process_group(*args, **kwargs)
+
+    destroy_process_group = dist.destroy_process_group
+    cuda_graphs.EagerReplay.release = release
+    train.dist.destroy_process_group = destroy
+
+
 def apply_hooks(argv: list[str]) -> list[str]:
     """Set the hooks named in ``argv`` (up to ``--``, which torchrun drops: then the hook flags
     are picked out of the arguments); returns the trainer's arguments."""
@@ -30,6 +49,7 @@ def apply_hooks(argv: list[str]) -> list[str]:
     ap.add_argument("--pause-save")
     ap.add_argument("--oom-at-step", type=int)
     ap.add_argument("--cuda-graphs-on-cpu", action="store_true")
+    ap.add_argument("--report-teardown", action="store_true")
     if "--" in argv:
         cut = argv.index("--")
         args, rest = ap.parse_args(argv[:cut]), argv[cut + 1:]
@@ -39,6 +59,8 @@ def apply_hooks(argv: list[str]) -> list[str]:
     hooks.loss_factor_at_step = args.loss_factor
     hooks.raise_oom_at_step = args.oom_at_step
     hooks.cuda_graphs_on_cpu = args.cuda_graphs_on_cpu
+    if args.report_teardown:
+        _report_teardown()
     if args.pause_save:
         step, _, seconds = args.pause_save.partition(":")
         hooks.pause_save = (int(step), float(seconds or 0))

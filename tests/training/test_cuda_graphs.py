@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 class _Counter(EagerReplay):
     def __init__(self):
         self.warmups = self.captures = self.replays = 0
+        self.released = []
 
     def warmup(self, fn, n):
         self.warmups += n
@@ -43,6 +44,9 @@ class _Counter(EagerReplay):
     def replay(self, graph, out):
         self.replays += 1
         super().replay(graph, out)
+
+    def release(self, graph, wait):
+        self.released.append((graph, wait))
 
 
 def _model():
@@ -129,6 +133,54 @@ def test_gradients_exist_before_the_capture_and_are_added_into():
 def _layer(**kw):
     cfg = MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, top_k=2, **kw)
     return SimpleNamespace(cfg=cfg, check_finite=False)
+
+
+def test_release_frees_the_graph_and_a_later_call_captures_again():
+    """release() hands the captured graph to the backend (once: a second release has nothing to
+    free) and drops the static buffers; the next call warms up and captures again, and its
+    replays still equal plain steps on a copy of the model in the same state."""
+    m, ref = _model(), _model()
+    backend = _Counter()
+    graph = MicroBatchGraph(_step(m), grads=list(m.parameters()), state=list(m.buffers()), backend=backend)
+    batches = [{"x": torch.randn(4, 6), "t": torch.randn(4, 3)} for _ in range(3)]
+    graph(batches[0])
+    captured = graph.graph
+    graph.release()
+    graph.release(wait=False)
+    assert backend.released == [(captured, True)]
+    assert graph.graph is None and graph.out is None and graph.static is None
+    _step(ref)(batches[0])
+    m.zero_grad(set_to_none=False), ref.zero_grad(set_to_none=False)
+    for b in batches[1:]:
+        got, want = graph(b), _step(ref)(b)
+        assert torch.equal(got[0], want[0])
+    assert (backend.warmups, backend.captures) == (4, 2)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.double(), q.grad.double(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_the_trainer_frees_its_graph_before_the_process_group_goes(tmp_path, fail_at):
+    """The trainer releases the graph when training ends (waiting for the GPU), and after a
+    failed step too (without waiting; the step's error is what is reported), before it destroys
+    the process group: a graph that captured NCCL collectives and lived on made
+    destroy_process_group hang at exit (pytorch/pytorch#115388; every graphed expert-parallel run
+    on 2 and 4 H200 before this). CPU, the graph's stand-in; ``fail_at``: the run raises the
+    allocator's out-of-memory error at that step."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _trainer import run_trainer
+
+    hooks = ["--cuda-graphs-on-cpu", "--report-teardown"] + (["--oom-at-step", str(fail_at)] if fail_at else [])
+    proc = run_trainer(["--config", "tiny-cpu", f"name=rel-{fail_at}", f"logging.runs_dir={tmp_path}",
+                        "logging.wandb=false", f"data.cache_dir={tmp_path / 'cache'}", "data.default_corpus_mb=2",
+                        "train.train_iters=3", "train.lr_warmup_iters=1", "train.eval_interval=0",
+                        "train.save_final=false", "train.cuda_graphs=micro_batch"], hooks=hooks, check=fail_at is None)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("teardown:")]
+    wait = fail_at is None
+    assert lines == [f"teardown: graph released (wait={wait}, process group alive=True)",
+                     "teardown: process group destroyed"], proc.stdout[-2000:] + proc.stderr[-2000:]
+    if fail_at:
+        assert proc.returncode == 1 and "out of memory after step 1" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_what_a_graph_cannot_hold_is_refused_in_one_line():
