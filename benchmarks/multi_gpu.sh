@@ -16,8 +16,9 @@
 # run's micro-batch instead of MB). A name is
 # CONFIG-epN or CONFIG-dpN (N the GPUs), optionally followed by variant words (-padded,
 # -sigmoid-padded); scaling is against the same CONFIG on the fewest GPUs whose variant words
-# are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are skipped once DEADLINE seconds (default 560) are
-# near, so what ran still comes back. MOE_EXTRA: overrides for every MoE run. Medians over
+# are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are
+# skipped once DEADLINE seconds (default 560) are near, and a run still going at DEADLINE is
+# stopped, so what ran still comes back. MOE_EXTRA: overrides for every MoE run. Medians over
 # the steps after MEASURE_FROM (default STEPS/4); GRAPHS: every run's train.cuda_graphs (default
 # none: runs on several GPUs are eager under the default 'auto', so the one-GPU runs are too);
 # "busiest" is the busiest expert's share of
@@ -26,6 +27,7 @@
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
 # table lands in $OUT, and every rank's timeline side by side: tools/rank_timelines.py). Logs, metrics and scaling.json go to $OUT (default ./multi_gpu_out).
 set -uo pipefail
+START=$SECONDS  # DEADLINE counts from here: the data preparation too
 OUT=${OUT:-$PWD/multi_gpu_out}; mkdir -p "$OUT"
 source benchmarks/device_env.sh
 STEPS=${STEPS:-30}; MB=${MB:-8}; ACC=${ACC:-2}; DEADLINE=${DEADLINE:-560}
@@ -50,7 +52,9 @@ run_one() {  # name config gpus ep [overrides]
   [[ $ep -gt 0 ]] && extra=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-} "${extra[@]}")
   local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
-  env "${envs[@]}" timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
+  # no run outlives DEADLINE, so the table below is printed within it (a run it cuts keeps its rows)
+  local limit=$(( DEADLINE - (SECONDS - START) )); (( limit > ${RUN_TIMEOUT:-240} )) && limit=${RUN_TIMEOUT:-240}
+  env "${envs[@]}" timeout "$limit" torchrun --standalone --nnodes=1 --nproc-per-node="$n" \
     -m megatron_moe.training --config "configs/$cfg.yaml" name="$name" logging.wandb=false \
     logging.runs_dir=/tmp/mg train.cuda_graphs="${GRAPHS:-none}" "${extra[@]}" \
     train.micro_batch_size="$mb" train.global_batch_size=$((mb * ACC * n)) train.train_iters="$STEPS" \
@@ -67,7 +71,6 @@ run_one() {  # name config gpus ep [overrides]
   echo "   $name exit $rc ($(grep -m1 -E '^done|Error|error' "$OUT/$name.log" | cut -c1-150))"
 }
 
-START=$SECONDS
 for w in ${WAVES:-1 2 3 4 5 6 7}; do
   var="WAVE_$w"
   if (( SECONDS - START > DEADLINE - 75 )); then echo "== wave $w skipped (deadline)"; continue; fi

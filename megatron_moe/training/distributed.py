@@ -2,18 +2,28 @@
 
     di = setup_distributed()     # NCCL with device LOCAL_RANK on GPUs, gloo on the CPU
     di.rank, di.world_size, di.device
+    teardown(exit_code)          # the end of the CLI: destroy it, or exit if that never returns
 """
 from __future__ import annotations
 
 import atexit
 import os
 import socket
+import sys
+import threading
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "setup_distributed", "set_deterministic", "world_size", "barrier"]
+__all__ = ["DistInfo", "setup_distributed", "set_deterministic", "world_size", "barrier", "teardown"]
+
+TEARDOWN_DEADLINE_S = 120.0
+"""How long :func:`teardown` waits for ``destroy_process_group`` before the process exits without
+it. The run is over by then (its checkpoint written, its logs closed); a teardown that never
+returns (NCCL waiting for a live CUDA graph that captured its collectives, pytorch/pytorch#115388,
+or for a peer that is gone) would hold the job's GPUs until the scheduler's time limit."""
 
 
 @dataclass
@@ -51,6 +61,30 @@ def barrier() -> None:
 def _destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def teardown(exit_code: int, pending: BaseException | None = None) -> None:
+    """Destroy the process group; if that has not returned after TEARDOWN_DEADLINE_S, say so in
+    one line and end the process with ``exit_code`` (``pending``: an exception on its way out,
+    whose traceback is printed first, as Python would have)."""
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def deadline() -> None:
+        if done.wait(TEARDOWN_DEADLINE_S):
+            return
+        sys.stdout.flush()
+        if pending is not None:
+            sys.stderr.write("".join(traceback.format_exception(pending)))
+        sys.stderr.write(f"megatron-moe-train: warning: torch.distributed.destroy_process_group() did not return "
+                         f"in {TEARDOWN_DEADLINE_S:.0f} s; exiting without it (the run itself has ended)\n")
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+    threading.Thread(target=deadline, name="teardown-deadline", daemon=True).start()
+    dist.destroy_process_group()
+    done.set()
 
 
 def setup_distributed() -> DistInfo:

@@ -75,7 +75,7 @@ from .cuda_graphs import EagerReplay, MicroBatchGraph, check_supported, resolve_
 from .checkpoint import (ABSENT, CheckpointError, config_changes, latest_checkpoint, load_checkpoint,
                          save_checkpoint, shape_changes, verify_checkpoint)
 from .data import MicroBatchSampler, build_datasets, micro_batch_loader, prepare_data, split_tokens
-from .distributed import DistInfo, set_deterministic, setup_distributed, world_size
+from .distributed import DistInfo, set_deterministic, setup_distributed, teardown, world_size
 from .fault_hooks import hooks
 from .flops import count_parameters, flops_per_token, peak_tflops
 from .grad_reduce import GradReducer, clip_coefficient, clip_grad_norm
@@ -757,8 +757,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(cfg.to_yaml())
         return 0
+    rc = 1  # until pretrain returns
     try:
         pretrain(cfg, resume=args.resume)
+        rc = 0
     except (TrainError, ConfigError, FileNotFoundError, ValueError) as e:
         # Bad input (config, data, checkpoint): one line that says what to change.
         if os.environ.get("MEGATRON_MOE_DEBUG"):
@@ -769,11 +771,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"megatron-moe-train: error: {first} (MEGATRON_MOE_DEBUG=1 shows the traceback)\n"
                          + (f"{more}\n" if more else ""))
         sys.stderr.flush()
-        return 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        teardown(rc, pending=sys.exc_info()[1])  # an exception on its way out, if any
+    return rc
 
 
 if __name__ == "__main__":

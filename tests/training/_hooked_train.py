@@ -2,11 +2,13 @@
 
     python tests/training/_hooked_train.py [--bf16-on-cpu] [--loss-factor 3:nan,4:inf]
         [--pause-save STEP:SECONDS] [--oom-at-step N] [--cuda-graphs-on-cpu] [--report-teardown]
-        -- TRAIN_ARGS...
+        [--hang-teardown SECONDS] -- TRAIN_ARGS...
 
 Each flag sets a field of ``megatron_moe.training.fault_hooks.hooks`` (see there), then
 ``megatron_moe.training.train.main(TRAIN_ARGS)`` runs. ``--report-teardown`` prints a line when
-the CPU graph stand-in is released and when the process group is destroyed (their order).
+the CPU graph stand-in is released and when the process group is destroyed (their order);
+``--hang-teardown S`` makes destroying the process group never return, and the trainer's
+deadline for it S seconds.
 """
 import argparse
 import sys
@@ -40,6 +42,17 @@ def _report_teardown() -> None:
     train.dist.destroy_process_group = destroy
 
 
+def _hang_teardown(deadline_s: float) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_moe.training import distributed
+
+    distributed.TEARDOWN_DEADLINE_S = deadline_s
+    dist.destroy_process_group = lambda *a, **k: threading.Event().wait()  # never returns
+
+
 def apply_hooks(argv: list[str]) -> list[str]:
     """Set the hooks named in ``argv`` (up to ``--``, which torchrun drops: then the hook flags
     are picked out of the arguments); returns the trainer's arguments."""
@@ -50,6 +63,7 @@ def apply_hooks(argv: list[str]) -> list[str]:
     ap.add_argument("--oom-at-step", type=int)
     ap.add_argument("--cuda-graphs-on-cpu", action="store_true")
     ap.add_argument("--report-teardown", action="store_true")
+    ap.add_argument("--hang-teardown", type=float)
     if "--" in argv:
         cut = argv.index("--")
         args, rest = ap.parse_args(argv[:cut]), argv[cut + 1:]
@@ -61,6 +75,8 @@ def apply_hooks(argv: list[str]) -> list[str]:
     hooks.cuda_graphs_on_cpu = args.cuda_graphs_on_cpu
     if args.report_teardown:
         _report_teardown()
+    if args.hang_teardown is not None:
+        _hang_teardown(args.hang_teardown)
     if args.pause_save:
         step, _, seconds = args.pause_save.partition(":")
         hooks.pause_save = (int(step), float(seconds or 0))

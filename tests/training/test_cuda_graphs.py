@@ -183,6 +183,28 @@ def test_the_trainer_frees_its_graph_before_the_process_group_goes(tmp_path, fai
         assert proc.returncode == 1 and "out of memory after step 1" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("fail_at", [None, 1])
+def test_a_teardown_that_never_returns_ends_the_process_with_its_exit_code(tmp_path, fail_at):
+    """destroy_process_group made to hang (as NCCL's did with a live graph): after the deadline
+    (2 s here) the trainer says so in one line and exits with the run's own code, 0 after a
+    finished run (every step logged) and 1 after a failed one (its error line kept)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _trainer import read_metrics, run_trainer
+
+    hooks = ["--hang-teardown", "2"] + (["--oom-at-step", str(fail_at)] if fail_at else [])
+    proc = run_trainer(["--config", "tiny-cpu", f"name=hang-{fail_at}", f"logging.runs_dir={tmp_path}",
+                        "logging.wandb=false", f"data.cache_dir={tmp_path / 'cache'}", "data.default_corpus_mb=2",
+                        "train.train_iters=2", "train.lr_warmup_iters=1", "train.eval_interval=0",
+                        "train.save_final=false"], hooks=hooks, check=False, timeout=240)
+    assert proc.returncode == (1 if fail_at else 0), proc.stderr[-2000:]
+    assert ("megatron-moe-train: warning: torch.distributed.destroy_process_group() did not return in 2 s; "
+            "exiting without it (the run itself has ended)") in proc.stderr, proc.stderr[-2000:]
+    if fail_at:
+        assert "megatron-moe-train: error: CPU out of memory" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert [r["step"] for r in read_metrics(tmp_path / "hang-None")] == [1, 2]
+
+
 def test_what_a_graph_cannot_hold_is_refused_in_one_line():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     check_supported("none", device=cpu, layers=[_layer(mlp_impl="reference")], ep_size=4)  # eager: anything
@@ -315,7 +337,8 @@ def test_graphed_expert_parallel_steps_equal_eager_ones_on_two_gpus(tmp_path):
     """tiny-cpu on 2 GPUs (torchrun, NCCL), EP=2 with the exchange that needs no host read
     (a2a_splits=padded): 6 steps eager and with train.cuda_graphs=micro_batch (the graph holds
     the NCCL all-to-alls), the same losses and gradient norms to bf16 rounding, the capture
-    reported, and none of the trainer's or torch's stream and device warnings on stderr."""
+    reported, none of the trainer's or torch's stream and device warnings on stderr, and the
+    process group destroyed without the teardown's deadline (the graph released first)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _trainer import read_metrics, run_trainer
 
@@ -327,6 +350,8 @@ def test_graphed_expert_parallel_steps_equal_eager_ones_on_two_gpus(tmp_path):
                             "train.save_final=false", "model.moe.expert_parallel_size=2",
                             "model.moe.a2a_splits=padded", f"train.cuda_graphs={mode}"], nproc=2, timeout=600,
                            OMP_NUM_THREADS="4")
+        # "megatron-moe-train" also catches the teardown's deadline line: a graph that captured the
+        # all-to-alls and outlived the run made destroy_process_group hang (4 H200, 2026-11-28)
         needles = ("megatron-moe-train", "AccumulateGrad node's stream", "barrier(): using the device",
                    "Guessing device ID")
         assert not any(n in proc.stderr for n in needles), proc.stderr[-3000:]
