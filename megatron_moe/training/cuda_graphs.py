@@ -42,10 +42,13 @@ run only at capture). The exchanges' time (``a2a_ms``) is then not measured: eve
 inside a capture cannot be timed. ``TORCH_NCCL_BLOCKING_WAIT`` is refused then: its wait polls an
 event of the capture.
 
-``auto`` (the default, :func:`resolve_mode`) is ``micro_batch`` for a run of one process on a
-GPU whose model passes :func:`check_supported`, and ``none`` otherwise: on the CPU, under data or
-expert parallelism (where the eager step overlaps the gradient reduction with the backward), and
-for what a graph cannot hold (the trainer prints which).
+``auto`` (the default, :func:`resolve_mode`) is ``micro_batch`` on a GPU whose model passes
+:func:`check_supported`, for a run of one process or one with expert parallelism and
+``a2a_splits=padded`` (there the eager step is host-bound: dmoe-small at EP = 2 kept 0.67 of one
+GPU's tokens/s per GPU eager, 0.89 graphed, on 4 H200). It is ``none`` otherwise: on the CPU,
+under data parallelism or expert parallelism with host splits (where the eager step overlaps the
+gradient reduction with the backward), and for what a graph cannot hold (the trainer prints
+which).
 """
 from __future__ import annotations
 
@@ -96,13 +99,14 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
 def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int, world_size: int,
                  a2a_splits: str = "host", simulated: bool = False) -> tuple[str, str]:
     """``train.cuda_graphs`` as the run applies it, and why ``auto`` gave ``none`` ("" otherwise):
-    ``auto`` is ``micro_batch`` on a GPU (or ``simulated``) in a one-process run that
-    :func:`check_supported` accepts, else ``none``; the other modes are themselves."""
+    ``auto`` is ``micro_batch`` on a GPU (or ``simulated``) in a run of one process, or of expert
+    parallelism with ``a2a_splits='padded'``, that :func:`check_supported` accepts, else ``none``;
+    the other modes are themselves."""
     if mode != "auto":
         return mode, ""
     if device.type != "cuda" and not simulated:
         return "none", f"the run is on the {device.type}"
-    if world_size > 1:
+    if world_size > 1 and not (ep_size > 1 and a2a_splits == "padded"):
         return "none", (f"{world_size} processes: eager steps overlap the gradient reduction with the "
                         "backward")
     try:

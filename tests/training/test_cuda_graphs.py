@@ -248,7 +248,7 @@ def test_a_blocking_nccl_wait_is_refused_under_expert_parallel_graphs(monkeypatc
     check_supported("micro_batch", device=cuda, layers=padded, ep_size=2, a2a_splits="padded")
 
 
-def test_auto_graphs_one_process_on_a_gpu_where_the_model_allows_else_eager():
+def test_auto_graphs_one_process_or_padded_ep_on_a_gpu_where_the_model_allows_else_eager():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     ok = [_layer(mlp_impl="triton_grouped")]
     assert resolve_mode("auto", device=cuda, layers=ok, ep_size=1, world_size=1) == ("micro_batch", "")
@@ -267,8 +267,16 @@ def test_auto_graphs_one_process_on_a_gpu_where_the_model_allows_else_eager():
         mode, reason = resolve_mode("auto", **kw)
         assert mode == "none" and reason.startswith(why) and "\n" not in reason, (kw, reason)
         assert "cuda_graphs=none" not in reason  # auto never asks the user to switch it off
-    padded = [_layer(mlp_impl="triton_grouped", a2a_splits="padded")]  # several processes: still eager
-    assert resolve_mode("auto", device=cuda, layers=padded, ep_size=2, world_size=2, a2a_splits="padded")[0] == "none"
+    # expert parallelism with the padded exchange (no host read): graphs, as for one process
+    padded = [_layer(mlp_impl="triton_grouped", a2a_splits="padded")]
+    assert resolve_mode("auto", device=cuda, layers=padded, ep_size=2, world_size=4,
+                        a2a_splits="padded") == ("micro_batch", "")
+    mode, why = resolve_mode("auto", device=cuda, layers=[_layer(mlp_impl="reference", a2a_splits="padded")],
+                             ep_size=2, world_size=2, a2a_splits="padded")
+    assert mode == "none" and why.startswith("model.moe.mlp_impl=reference synchronises"), why
+    # data parallelism alone, or expert parallelism with host splits: eager
+    assert resolve_mode("auto", device=cuda, layers=padded, ep_size=1, world_size=2, a2a_splits="padded")[0] == "none"
+    assert resolve_mode("auto", device=cpu, layers=padded, ep_size=2, world_size=2, a2a_splits="padded")[0] == "none"
     # an explicit mode is itself: micro_batch is then refused by check_supported, not resolved away
     assert resolve_mode("micro_batch", device=cpu, layers=ok, ep_size=2, world_size=4) == ("micro_batch", "")
     assert resolve_mode("none", device=cuda, layers=ok, ep_size=1, world_size=1) == ("none", "")
