@@ -250,6 +250,14 @@ def _args(workdir: Path, name: str, *extra: str) -> list[str]:
                      "train.save_interval=2", "train.log_interval=1", "logging.wandb=false", *extra)
 
 
+def _loads(path: Path) -> bool:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:  # not there yet, or partly written
+        return False
+    return True
+
+
 def _error_lines(stderr: str) -> list[str]:
     assert "Traceback" not in stderr, stderr[-3000:]
     return [ln for ln in stderr.splitlines() if ln.startswith("megatron-moe-train:")]
@@ -265,7 +273,9 @@ def test_second_trainer_stops_then_a_killed_holders_lock_is_taken_over(workdir):
                          text=True)
     try:
         deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / ".tmp-iter_0000004").exists():
+        # A pauses once its first file, the RNG states, is whole (a file still being written would
+        # change under the comparison below): wait until it loads
+        while not _loads(run_dir / "checkpoints" / ".tmp-iter_0000004" / "rng_rank00000.pt"):
             assert a.poll() is None and time.monotonic() < deadline, a.communicate()
             time.sleep(0.05)
         held = _holder(run_dir)
