@@ -21,7 +21,7 @@ DEPRECATED_MLP_IMPLS = {"grouped": "triton_grouped", "grouped_mm": "torch_groupe
 AUTO_GROUPED_MM_MIN_WIDTH = 4096
 """mlp_impl='auto' picks torch_grouped_mm when hidden and ffn are both at least this wide."""
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-A2A_SPLITS = ("host", "padded")
+A2A_SPLITS = ("host", "padded", "symmetric")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 
@@ -56,7 +56,10 @@ class MoEConfig:
     read on the host once per layer forward (one sync). 'padded': no host sync; every rank sends
     each peer a fixed block of tokens*top_k rows (the worst case, so nothing is dropped), P times
     the bytes and the MoE activation memory of 'host' for P ranks; triton_grouped or
-    reference."""
+    reference. 'symmetric': the padded blocks, but only their valid rows move (the bytes of
+    'host', no host sync): each rank reads its rows from its peers' buffers in PyTorch's
+    symmetric memory, so every expert-parallel group must sit on one node (on the CPU:
+    shared-memory files); triton_grouped or reference."""
     capacity_factor: float = 1.0
     """mlp_impl='capacity' only: each expert takes at most ceil(cf * tokens * top_k / E)."""
     normalize_top_k: bool = False
@@ -118,9 +121,9 @@ def validate_moe_config(cfg: MoEConfig) -> None:
     check_choice(key("activation"), cfg.activation, ACTIVATIONS)
     check_choice(key("mlp_impl"), cfg.mlp_impl, MLP_IMPLS)
     check_choice(key("a2a_splits"), cfg.a2a_splits, A2A_SPLITS)
-    if cfg.a2a_splits == "padded" and cfg.mlp_impl not in ("triton_grouped", "reference", "auto"):
+    if cfg.a2a_splits != "host" and cfg.mlp_impl not in ("triton_grouped", "reference", "auto"):
         invalid(key("a2a_splits"), cfg.a2a_splits, f"expected 'host' with mlp_impl={cfg.mlp_impl!r} "
-                "('padded' runs with mlp_impl triton_grouped, reference or auto)")
+                f"('{cfg.a2a_splits}' runs with mlp_impl triton_grouped, reference or auto)")
     if cfg.recompute_activation is True and cfg.mlp_impl not in ("triton_grouped", "auto"):
         invalid(key("recompute_activation"), cfg.recompute_activation,
                 f"expected false with mlp_impl={cfg.mlp_impl!r} (it applies to 'triton_grouped'; "

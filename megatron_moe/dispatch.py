@@ -13,6 +13,8 @@ row's assignments, and return the weighted sum per row.
 
 - PaddedAllToAllDispatcher (``a2a_splits='padded'``): the same without reading the counts on
   the host: fixed worst-case blocks per peer, padding rows skipped by the experts.
+- SymmetricAllToAllDispatcher (``a2a_splits='symmetric'``): the padded blocks, but only their
+  valid rows move, read from the peers' symmetric-memory buffers up to counts on the device.
 
 Host synchronisation (AllToAllDispatcher): exactly one per forward and none in the backward (it
 reuses the forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from .kernels.metadata import Routing, routing_metadata
 from .ops.permute import permute_tokens, unpermute_tokens
+from .symmetric import symmetric_exchange
 
 
 class Dispatcher:
@@ -187,6 +190,8 @@ class _PaddedContext:
     slot_N: torch.Tensor  # sorted position -> row of the padded [P * C] exchange buffer
     block: int  # C rows per peer
     weights_TK: torch.Tensor
+    send_P: torch.Tensor  # valid rows of each peer's block, sent / received (on the device)
+    recv_P: torch.Tensor
 
 
 class PaddedAllToAllDispatcher(AllToAllDispatcher):
@@ -210,16 +215,39 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         send_P = send_counts_E.view(P, El).sum(1)
         first_P = torch.cumsum(send_P, 0) - send_P
         slot_N = dest_N * C + torch.arange(N, device=dev) - first_P[dest_N]
-        x_send = x_TH.new_zeros(P * C, x_TH.shape[1]).index_copy(0, slot_N, permute_tokens(x_TH, routing))
+        x_send = self._blocks(x_TH, P * C).index_copy(0, slot_N, permute_tokens(x_TH, routing))
         work.wait()  # a stream dependency on the GPU, not a host wait
-        x_recv = all_to_all(x_send, [C] * P, [C] * P, self.group)
-        # row j of peer p's block: the local expert whose cumulative count first exceeds j
         cum_PEl = torch.cumsum(recv_counts_PEl.view(P, El), 1)
+        recv_P = cum_PEl[:, -1].contiguous()
+        x_recv = self._exchange(x_send, send_P, recv_P)
+        # row j of peer p's block: the local expert whose cumulative count first exceeds j
         j_PC = torch.arange(C, device=dev).expand(P, C).contiguous()
         ids_R = torch.searchsorted(cum_PEl, j_PC, right=True).reshape(-1)  # El = padding
         ones_R1 = torch.ones(P * C, 1, device=dev, dtype=torch.float32)
-        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(routing, slot_N, C, weights_TK)
+        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(routing, slot_N, C, weights_TK, send_P, recv_P)
 
     def combine(self, y_RH, ctx: _PaddedContext):
-        y_back = all_to_all(y_RH, [ctx.block] * self.num_ranks, [ctx.block] * self.num_ranks, self.group)
+        y_back = self._exchange(y_RH, ctx.recv_P, ctx.send_P)
         return unpermute_tokens(y_back[ctx.slot_N], ctx.weights_TK, ctx.routing)
+
+    def _blocks(self, x_TH, rows):  # padding rows travel: zeros
+        return x_TH.new_zeros(rows, x_TH.shape[1])
+
+    def _exchange(self, x_PCH, n_out_P, n_in_P):
+        """Whole blocks travel (the counts are not needed: padding rows go too)."""
+        C = x_PCH.shape[0] // self.num_ranks
+        return all_to_all(x_PCH, [C] * self.num_ranks, [C] * self.num_ranks, self.group)
+
+
+class SymmetricAllToAllDispatcher(PaddedAllToAllDispatcher):
+    """The padded dispatcher's blocks and metadata, but only each block's valid rows move: every
+    rank reads its rows out of its peers' buffers up to counts kept on the device
+    (:mod:`megatron_moe.symmetric`: PyTorch symmetric memory on one node's GPUs, shared-memory
+    files on the CPU). No host synchronisation and the exact exchange's bytes; the padded
+    blocks' activation memory stays."""
+
+    def _blocks(self, x_TH, rows):  # padding rows never move, nor are read
+        return x_TH.new_empty(rows, x_TH.shape[1])
+
+    def _exchange(self, x_PCH, n_out_P, n_in_P):
+        return symmetric_exchange(x_PCH, n_out_P, n_in_P, self.group)

@@ -126,8 +126,8 @@ class Experts(nn.Module):
             return capacity_experts(x_TH, w1, w2, expert_ids_TK, weights_TK, cfg.activation, capacity)
         E = w1.shape[0]
         if skip_padding and impl != "triton_grouped":
-            raise ValueError(f"padding rows (a2a_splits='padded') need mlp_impl triton_grouped or reference, "
-                             f"not {impl!r}")
+            raise ValueError(f"padding rows (a2a_splits='padded' or 'symmetric') need mlp_impl triton_grouped or "
+                             f"reference, not {impl!r}")
         if skip_padding:  # padding sorts last, into an extra bin that no expert reads
             routing = routing_metadata(expert_ids_TK, E + 1, cfg.block_size)
             routing = dataclasses.replace(routing, num_experts=E,

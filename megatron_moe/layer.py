@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from .config import MoEConfig
-from .dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, PaddedAllToAllDispatcher
+from .dispatch import (AllToAllDispatcher, Dispatcher, LocalDispatcher, PaddedAllToAllDispatcher,
+                       SymmetricAllToAllDispatcher)
 from .experts import Experts, SharedExpert, resolve_mlp_impl
 from .router import TopKRouter
 
@@ -47,7 +48,8 @@ class DroplessMoE(nn.Module):
         self.router = TopKRouter(cfg)
         if dispatcher is None:
             use_a2a = ep_group is not None and torch.distributed.get_world_size(ep_group) > 1
-            a2a = PaddedAllToAllDispatcher if cfg.a2a_splits == "padded" else AllToAllDispatcher
+            a2a = {"padded": PaddedAllToAllDispatcher, "symmetric": SymmetricAllToAllDispatcher}.get(
+                cfg.a2a_splits, AllToAllDispatcher)
             dispatcher = a2a(ep_group, cfg.num_experts) if use_a2a else LocalDispatcher()
         self.dispatcher = dispatcher
         self.ep_size = dispatcher.num_ranks

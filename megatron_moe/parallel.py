@@ -43,6 +43,16 @@ def validate_parallel_sizes(world_size: int, expert_parallel_size: int, num_expe
                          f"{num_experts}: choose a divisor of {num_experts}")
 
 
+def check_symmetric_exchange(expert_parallel_size: int, local_world_size: int) -> None:
+    """``a2a_splits='symmetric'`` maps peer GPUs' memory, so every expert-parallel group (P
+    consecutive ranks) must lie inside one node (``local_world_size`` consecutive ranks)."""
+    P, L = expert_parallel_size, local_world_size
+    if P > 1 and L % P:
+        raise ValueError(f"model.moe.a2a_splits=symmetric with model.moe.expert_parallel_size={P}: each "
+                         f"expert-parallel group must sit on one node, which runs {L} ranks here ({P} must divide "
+                         f"{L}); use model.moe.a2a_splits=padded or host, or an expert_parallel_size dividing {L}")
+
+
 def init_parallel_groups(expert_parallel_size: int = 1, num_experts: int | None = None) -> ParallelGroups:
     """Create (once per size and world) the EP and EDP groups. Every rank must call it, in the
     same order."""

@@ -36,7 +36,8 @@ a host synchronisation inside the forward or the backward, i.e. ``model.moe.mlp_
 'reference' or 'capacity', expert parallelism with ``model.moe.a2a_splits=host`` (the exchange's
 split sizes are read by the host), ``MEGATRON_MOE_CHECK_FINITE``; a run on the CPU. Data
 parallelism works, and expert parallelism with ``a2a_splits=padded`` (fixed-size exchanges, no
-host read: the graph holds the NCCL all-to-alls), with the gradient reduction after the backward
+host read: the graph holds the NCCL all-to-alls) or ``symmetric`` (the graph holds the peer-memory
+copies and their barriers), with the gradient reduction after the backward
 instead of overlapped with it (the backward's per-parameter hooks that start bucket reductions
 run only at capture). The exchanges' time (``a2a_ms``) is then not measured: events recorded
 inside a capture cannot be timed. ``TORCH_NCCL_BLOCKING_WAIT`` is refused then: its wait polls an
@@ -44,11 +45,11 @@ event of the capture.
 
 ``auto`` (the default, :func:`resolve_mode`) is ``micro_batch`` on a GPU whose model passes
 :func:`check_supported`, for a run of one process or one with expert parallelism and
-``a2a_splits=padded`` (there the eager step is host-bound: dmoe-small at EP = 2 kept 0.67 of one
-GPU's tokens/s per GPU eager, 0.89 graphed, on 4 H200). It is ``none`` otherwise: on the CPU,
-under data parallelism or expert parallelism with host splits (where the eager step overlaps the
-gradient reduction with the backward), and for what a graph cannot hold (the trainer prints
-which).
+``a2a_splits`` padded or symmetric (there the eager step is host-bound: dmoe-small at EP = 2
+kept 0.67 of one GPU's tokens/s per GPU eager, 0.89 graphed, with padded on 4 H200). It is
+``none`` otherwise: on the CPU, under data parallelism or expert parallelism with host splits
+(where the eager step overlaps the gradient reduction with the backward), and for what a graph
+cannot hold (the trainer prints which).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ import torch
 __all__ = ["MicroBatchGraph", "EagerReplay", "check_supported", "resolve_mode"]
 
 _NO_GRAPH_IMPLS = ("reference", "capacity")  # their forward reads device values on the host
+_GRAPH_SPLITS = ("padded", "symmetric")  # expert-parallel exchanges sized on the device
 
 
 def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: int, a2a_splits: str = "host",
@@ -78,11 +80,11 @@ def check_supported(mode: str, *, device: torch.device, layers: list, ep_size: i
         raise ValueError(f"TORCH_NCCL_BLOCKING_WAIT={os.environ['TORCH_NCCL_BLOCKING_WAIT']} with "
                          f"model.moe.expert_parallel_size={ep_size}: a blocking wait polls an event the CUDA "
                          f"graph's capture recorded, which breaks it; unset it {off}")
-    if ep_size > 1 and a2a_splits != "padded":
+    if ep_size > 1 and a2a_splits not in _GRAPH_SPLITS:
         raise ValueError(f"model.moe.expert_parallel_size={ep_size} with model.moe.a2a_splits={a2a_splits}: the "
                          f"token exchange's sizes are read by the host in every forward, which a CUDA graph "
-                         f"cannot hold; set model.moe.a2a_splits=padded (no host read, {ep_size}x the "
-                         f"exchange's bytes) {off}")
+                         f"cannot hold; set model.moe.a2a_splits=symmetric (no host read, the exact bytes; one "
+                         f"node) or padded (no host read, {ep_size}x the exchange's bytes) {off}")
     from megatron_moe.experts import resolve_mlp_impl
 
     for layer in layers:
@@ -100,13 +102,13 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
                  a2a_splits: str = "host", simulated: bool = False) -> tuple[str, str]:
     """``train.cuda_graphs`` as the run applies it, and why ``auto`` gave ``none`` ("" otherwise):
     ``auto`` is ``micro_batch`` on a GPU (or ``simulated``) in a run of one process, or of expert
-    parallelism with ``a2a_splits='padded'``, that :func:`check_supported` accepts, else ``none``;
+    parallelism with ``a2a_splits`` 'padded' or 'symmetric', that :func:`check_supported` accepts, else ``none``;
     the other modes are themselves."""
     if mode != "auto":
         return mode, ""
     if device.type != "cuda" and not simulated:
         return "none", f"the run is on the {device.type}"
-    if world_size > 1 and not (ep_size > 1 and a2a_splits == "padded"):
+    if world_size > 1 and not (ep_size > 1 and a2a_splits in _GRAPH_SPLITS):
         return "none", (f"{world_size} processes: eager steps overlap the gradient reduction with the "
                         "backward")
     try:

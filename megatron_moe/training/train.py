@@ -69,7 +69,7 @@ import torch.distributed as dist
 from megatron_moe import update_expert_biases
 from megatron_moe.dispatch import exchange_time_ms
 from megatron_moe.megatron import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
-from megatron_moe.parallel import ParallelGroups, init_parallel_groups
+from megatron_moe.parallel import ParallelGroups, check_symmetric_exchange, init_parallel_groups
 
 from .cuda_graphs import EagerReplay, MicroBatchGraph, check_supported, resolve_mode
 from .checkpoint import (ABSENT, CheckpointError, config_changes, latest_checkpoint, load_checkpoint,
@@ -711,6 +711,9 @@ def pretrain(cfg: RunConfig, resume: bool = False) -> dict:
         check_supported(tc.cuda_graphs, device=di.device, layers=[], simulated=hooks.cuda_graphs_on_cpu,
                         ep_size=moe.expert_parallel_size if moe is not None else 1,
                         a2a_splits=moe.a2a_splits if moe is not None else "host")
+        if moe is not None and moe.a2a_splits == "symmetric":
+            check_symmetric_exchange(moe.expert_parallel_size,
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", di.world_size)))
     except ValueError as e:
         raise TrainError(str(e)) from None
     lock = _lock_run_dir(cfg.run_dir, di)  # before the run reads or writes its directory

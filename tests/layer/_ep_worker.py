@@ -1,6 +1,6 @@
 """One rank of the expert-parallel tests (run by tests/test_expert_parallel.py, gloo on the CPU).
 
-    python tests/_ep_worker.py OUT_DIR CASE IMPL[+padded] EP   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
+    python tests/_ep_worker.py OUT_DIR CASE IMPL[+padded|+symmetric] EP   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
 
 Builds the full layer from a fixed seed, keeps this rank's slice of the experts, runs its own
 tokens of a global batch, and saves the output, the local gradients and the reduced gradients.
@@ -20,7 +20,8 @@ TOKENS_PER_RANK, H = 13, 16
 
 
 def case_config(case, impl):
-    """impl 'triton_grouped+padded' = mlp_impl triton_grouped with a2a_splits='padded' (no host sync)."""
+    """impl 'triton_grouped+padded' = mlp_impl triton_grouped with a2a_splits='padded' (no host sync;
+    '+symmetric' likewise: the shared-memory stand-in of the peer-memory exchange on the CPU)."""
     impl, _, splits = impl.partition("+")
     return MoEConfig(hidden_size=H, ffn_hidden_size=24, num_experts=8, top_k=2, block_size=16,
                      aux_loss_coeff=0.0, mlp_impl=impl, capacity_factor=8.0, a2a_splits=splits or "host")
@@ -48,14 +49,14 @@ def full_layer_and_batch(case, impl, world):
 
 @contextlib.contextmanager
 def no_host_reads(enabled):
-    """The padded exchange reads nothing back to the host: .tolist() / .item() raise inside."""
+    """The padded and symmetric exchanges read nothing back to the host: .tolist() / .item() raise inside."""
     if not enabled:
         yield
         return
     saved = torch.Tensor.tolist, torch.Tensor.item
 
     def refuse(*_, **__):
-        raise AssertionError("a2a_splits='padded' read a tensor on the host")
+        raise AssertionError("a sync-free exchange (a2a_splits padded or symmetric) read a tensor on the host")
 
     torch.Tensor.tolist = torch.Tensor.item = refuse
     try:
@@ -79,7 +80,13 @@ def main():
         layer.experts.w2.copy_(full.experts.w2[sl])
     rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
     x_r = x[rows].clone().requires_grad_(True)
-    with no_host_reads(enabled=layer.cfg.a2a_splits == "padded"):
+    if layer.cfg.a2a_splits == "symmetric":
+        # a first pass sets up the exchange buffers (once per size: a collective that reads the
+        # host); the checked pass below reuses them, as every step after the first does
+        (layer(x_r) * dy[rows]).sum().backward()
+        layer.zero_grad(set_to_none=True)
+        x_r.grad = None
+    with no_host_reads(enabled=layer.cfg.a2a_splits != "host"):
         y = layer(x_r)
         (y * dy[rows]).sum().backward()
     local = {n: p.grad.clone() for n, p in layer.named_parameters()}

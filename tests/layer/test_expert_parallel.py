@@ -54,6 +54,12 @@ def reference(case, impl, world):
     (4, 2, "triton_grouped", "random"),
     (2, 2, "triton_grouped+padded", "empty_rank"),
     (4, 4, "reference+padded", "all_to_one_rank"),
+    # the exact exchange without a host read: valid rows only, read from the peers' buffers
+    (2, 2, "triton_grouped+symmetric", "random"),
+    (4, 4, "reference+symmetric", "random"),
+    (4, 2, "triton_grouped+symmetric", "random"),
+    (2, 2, "triton_grouped+symmetric", "empty_rank"),
+    (4, 4, "reference+symmetric", "all_to_one_rank"),
 ])
 def test_ep_matches_single_process(tmp_path, world, ep, impl, case):
     results = run_ranks(tmp_path, case, impl, ep, world)
@@ -95,3 +101,18 @@ def test_invalid_sizes_raise():
         validate_parallel_sizes(8, 4, 6)
     with pytest.raises(ValueError, match="expected a positive int"):
         validate_parallel_sizes(4, 0, 8)
+
+
+def test_the_symmetric_exchange_needs_each_group_on_one_node():
+    from megatron_moe.parallel import check_symmetric_exchange
+
+    check_symmetric_exchange(4, 8)  # two groups per node of 8
+    check_symmetric_exchange(8, 8)
+    check_symmetric_exchange(1, 3)  # no exchange
+    with pytest.raises(ValueError) as e:
+        check_symmetric_exchange(8, 4)  # a group over two nodes of 4
+    assert str(e.value) == ("model.moe.a2a_splits=symmetric with model.moe.expert_parallel_size=8: each "
+                            "expert-parallel group must sit on one node, which runs 4 ranks here (8 must divide 4); "
+                            "use model.moe.a2a_splits=padded or host, or an expert_parallel_size dividing 4")
+    with pytest.raises(ValueError, match="expert_parallel_size=4: each expert-parallel group must sit on one node"):
+        check_symmetric_exchange(4, 6)  # groups straddle the nodes' boundaries

@@ -6,7 +6,8 @@
 
 Each flag sets a field of ``megatron_moe.training.fault_hooks.hooks`` (see there), then
 ``megatron_moe.training.train.main(TRAIN_ARGS)`` runs. ``--report-teardown`` prints a line when
-the CPU graph stand-in is released and when the process group is destroyed (their order);
+the graph is released (the CPU stand-in's or, on a GPU, the real one's) and when the process
+group is destroyed (their order);
 ``--hang-teardown S`` makes destroying the process group never return, and the trainer's
 deadline for it S seconds.
 """
@@ -30,15 +31,19 @@ def _report_teardown() -> None:
 
     from megatron_moe.training import cuda_graphs, train
 
-    def release(self, graph, wait):
-        print(f"teardown: graph released (wait={wait}, process group alive={dist.is_initialized()})", flush=True)
+    def reporting(release):  # the backend's own release still runs (on a GPU: the real graph's reset)
+        def wrapped(self, graph, wait):
+            print(f"teardown: graph released (wait={wait}, process group alive={dist.is_initialized()})", flush=True)
+            return release(self, graph, wait)
+        return wrapped
 
     def destroy(*args, **kwargs):
         print("teardown: process group destroyed", flush=True)
         return destroy_process_group(*args, **kwargs)
 
     destroy_process_group = dist.destroy_process_group
-    cuda_graphs.EagerReplay.release = release
+    for backend in (cuda_graphs.EagerReplay, cuda_graphs._CudaGraphs):
+        backend.release = reporting(backend.release)
     train.dist.destroy_process_group = destroy
 
 

@@ -165,8 +165,8 @@ def test_the_trainer_frees_its_graph_before_the_process_group_goes(tmp_path, fai
     failed step too (without waiting; the step's error is what is reported), before it destroys
     the process group: a graph that captured NCCL collectives and lived on made
     destroy_process_group hang at exit (pytorch/pytorch#115388; every graphed expert-parallel run
-    on 2 and 4 H200 before this). CPU, the graph's stand-in; ``fail_at``: the run raises the
-    allocator's out-of-memory error at that step."""
+    on 2 and 4 H200 before this). On the CPU the graph's stand-in, on a GPU the real graph;
+    ``fail_at``: the run raises the allocator's out-of-memory error at that step."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _trainer import run_trainer
 
@@ -210,14 +210,16 @@ def test_what_a_graph_cannot_hold_is_refused_in_one_line():
     check_supported("none", device=cpu, layers=[_layer(mlp_impl="reference")], ep_size=4)  # eager: anything
     check_supported("micro_batch", device=cuda, layers=[_layer(mlp_impl="triton_grouped")], ep_size=1)
     check_supported("micro_batch", device=cuda, layers=[], ep_size=1)  # dense
-    padded = [_layer(mlp_impl="triton_grouped", a2a_splits="padded")]  # sync-free exchange: a graph holds it
-    check_supported("micro_batch", device=cuda, layers=padded, ep_size=4, a2a_splits="padded")
+    for splits in ("padded", "symmetric"):  # sync-free exchanges: a graph holds them
+        layers = [_layer(mlp_impl="triton_grouped", a2a_splits=splits)]
+        check_supported("micro_batch", device=cuda, layers=layers, ep_size=4, a2a_splits=splits)
     cases = [
         (dict(device=cpu, layers=[], ep_size=1),
          "train.cuda_graphs=micro_batch needs a CUDA GPU (this run is on the cpu): set train.cuda_graphs=none"),
         (dict(device=cuda, layers=[_layer()], ep_size=2),
          "model.moe.expert_parallel_size=2 with model.moe.a2a_splits=host: the token exchange's sizes are "
-         "read by the host in every forward, which a CUDA graph cannot hold; set model.moe.a2a_splits=padded"),
+         "read by the host in every forward, which a CUDA graph cannot hold; set model.moe.a2a_splits=symmetric "
+         "(no host read, the exact bytes; one node) or padded (no host read, 2x the exchange's bytes)"),
         (dict(device=cuda, layers=[_layer(mlp_impl="reference")], ep_size=1),
          "model.moe.mlp_impl=reference synchronises with the host in every forward"),
         (dict(device=cuda, layers=[_layer(mlp_impl="capacity")], ep_size=1),
@@ -271,6 +273,9 @@ def test_auto_graphs_one_process_or_padded_ep_on_a_gpu_where_the_model_allows_el
     padded = [_layer(mlp_impl="triton_grouped", a2a_splits="padded")]
     assert resolve_mode("auto", device=cuda, layers=padded, ep_size=2, world_size=4,
                         a2a_splits="padded") == ("micro_batch", "")
+    symmetric = [_layer(mlp_impl="triton_grouped", a2a_splits="symmetric")]
+    assert resolve_mode("auto", device=cuda, layers=symmetric, ep_size=4, world_size=4,
+                        a2a_splits="symmetric") == ("micro_batch", "")
     mode, why = resolve_mode("auto", device=cuda, layers=[_layer(mlp_impl="reference", a2a_splits="padded")],
                              ep_size=2, world_size=2, a2a_splits="padded")
     assert mode == "none" and why.startswith("model.moe.mlp_impl=reference synchronises"), why
@@ -341,30 +346,37 @@ def test_graphed_steps_equal_eager_steps_on_the_gpu(tmp_path, extra, recwarn):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_graphed_expert_parallel_steps_equal_eager_ones_on_two_gpus(tmp_path):
-    """tiny-cpu on 2 GPUs (torchrun, NCCL), EP=2 with the exchange that needs no host read
-    (a2a_splits=padded): 6 steps eager and with train.cuda_graphs=micro_batch (the graph holds
-    the NCCL all-to-alls), the same losses and gradient norms to bf16 rounding, the capture
+@pytest.mark.parametrize("splits", ["padded", "symmetric"])
+def test_graphed_expert_parallel_steps_equal_eager_ones_on_two_gpus(tmp_path, splits):
+    """tiny-cpu on 2 GPUs (torchrun, NCCL), EP=2 with an exchange that needs no host read
+    (a2a_splits padded: NCCL all-to-alls of whole blocks; symmetric: peer-memory copies of the
+    valid rows and their barriers): 6 steps eager and with train.cuda_graphs=micro_batch (the
+    graph holds the exchanges), the same losses and gradient norms to bf16 rounding, the capture
     reported, none of the trainer's or torch's stream and device warnings on stderr, and the
-    process group destroyed without the teardown's deadline (the graph released first)."""
+    process group destroyed without the teardown's deadline (the graph released first). The
+    eager run of 'symmetric' is checked against 'host' (the exact NCCL exchange)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _trainer import read_metrics, run_trainer
 
     rows = {}
-    for mode in ("none", "micro_batch"):
-        proc = run_trainer(["--config", "tiny-cpu", f"name=ep-{mode}", f"logging.runs_dir={tmp_path}",
+    runs = [("none", splits), ("micro_batch", splits)] + ([("none", "host")] if splits == "symmetric" else [])
+    for mode, sp in runs:
+        proc = run_trainer(["--config", "tiny-cpu", f"name=ep-{mode}-{sp}", f"logging.runs_dir={tmp_path}",
                             "logging.wandb=false", f"data.cache_dir={tmp_path / 'cache'}", "data.default_corpus_mb=2",
                             "train.train_iters=6", "train.lr_warmup_iters=2", "train.eval_interval=0",
                             "train.save_final=false", "model.moe.expert_parallel_size=2",
-                            "model.moe.a2a_splits=padded", f"train.cuda_graphs={mode}"], nproc=2, timeout=600,
+                            f"model.moe.a2a_splits={sp}", f"train.cuda_graphs={mode}"], nproc=2, timeout=600,
                            OMP_NUM_THREADS="4")
         # "megatron-moe-train" also catches the teardown's deadline line: a graph that captured the
         # all-to-alls and outlived the run made destroy_process_group hang (4 H200, 2026-11-28)
         needles = ("megatron-moe-train", "AccumulateGrad node's stream", "barrier(): using the device",
                    "Guessing device ID")
         assert not any(n in proc.stderr for n in needles), proc.stderr[-3000:]
-        rows[mode] = read_metrics(tmp_path / f"ep-{mode}")
-    assert "cuda_graph_capture_s" in rows["micro_batch"][0]
+        rows[mode, sp] = read_metrics(tmp_path / f"ep-{mode}-{sp}")
+    assert "cuda_graph_capture_s" in rows["micro_batch", splits][0]
     for key in ("lm_loss", "grad_norm"):
-        eager, graphed = [r[key] for r in rows["none"]], [r[key] for r in rows["micro_batch"]]
+        eager, graphed = [r[key] for r in rows["none", splits]], [r[key] for r in rows["micro_batch", splits]]
         assert len(eager) == len(graphed) == 6 and graphed == pytest.approx(eager, rel=2e-3), (key, eager, graphed)
+        if splits == "symmetric":
+            exact = [r[key] for r in rows["none", "host"]]
+            assert eager == pytest.approx(exact, rel=2e-3), (key, exact, eager)

@@ -714,24 +714,25 @@ def test_cuda_graph_bookkeeping_with_bf16_params(workdir, name, extra):
         assert [r[key] for r in rows["micro_batch"]] == [r[key] for r in rows["none"]], key
 
 
-@pytest.mark.parametrize("name,graphs,extra,hooks", [
-    ("fp32", "auto", [], []),
-    ("bf16-bias", "micro_batch", ["model.moe.score_function=sigmoid", "model.moe.expert_bias=true"],
-     ["--bf16-on-cpu"])])
-def test_cuda_graph_bookkeeping_under_expert_parallelism(workdir, name, graphs, extra, hooks):
-    """EP=2 over 2 gloo ranks with the exchange that needs no host read (a2a_splits=padded) and
-    the CPU stand-in for the graph: 6 steps, each equal to the eager EP run's (every digit; both
-    reduce the gradients after the backward, as a graph does), also with bf16 compute copies and
-    expert biases (whose token counts the warm-up also adds to). ``auto`` graphs such a run, and
-    says so."""
+@pytest.mark.parametrize("name,splits,graphs,extra,hooks", [
+    ("fp32", "padded", "auto", [], []),
+    ("bf16-bias", "padded", "micro_batch", ["model.moe.score_function=sigmoid", "model.moe.expert_bias=true"],
+     ["--bf16-on-cpu"]),
+    ("fp32", "symmetric", "auto", [], [])])
+def test_cuda_graph_bookkeeping_under_expert_parallelism(workdir, name, splits, graphs, extra, hooks):
+    """EP=2 over 2 gloo ranks with an exchange that needs no host read (a2a_splits padded, or
+    symmetric: on the CPU its shared-memory stand-in) and the CPU stand-in for the graph: 6
+    steps, each equal to the eager EP run's (every digit; both reduce the gradients after the
+    backward, as a graph does), also with bf16 compute copies and expert biases (whose token
+    counts the warm-up also adds to). ``auto`` graphs such a run, and says so."""
     rows = {}
     for mode in ("none", graphs):
-        args = _overrides(workdir, f"ep2-padded-{name}-{mode}", "logging.wandb=false", "train.train_iters=6",
+        args = _overrides(workdir, f"ep2-{splits}-{name}-{mode}", "logging.wandb=false", "train.train_iters=6",
                           "train.lr_warmup_iters=2", "train.save_final=false", "train.eval_interval=0",
-                          "model.moe.expert_parallel_size=2", "model.moe.a2a_splits=padded",
+                          "model.moe.expert_parallel_size=2", f"model.moe.a2a_splits={splits}",
                           "train.overlap_grad_reduce=false", f"train.cuda_graphs={mode}", *extra)
         out = _run(args, hooks=["--cuda-graphs-on-cpu", *hooks], nproc=2, OMP_NUM_THREADS="1")
-        rows[mode] = read_metrics(workdir / "runs" / f"ep2-padded-{name}-{mode}")
+        rows[mode] = read_metrics(workdir / "runs" / f"ep2-{splits}-{name}-{mode}")
     assert len(rows[graphs]) == 6 and "cuda_graph_capture_s" in rows[graphs][0]
     if graphs == "auto":
         assert "capture" in out.stdout and "(train.cuda_graphs=auto -> micro_batch)" in out.stdout, out.stdout[-2000:]

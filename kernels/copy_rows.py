@@ -1,0 +1,103 @@
+"""Row blocks copied up to counts that live on the device: the data movement of the exact-size,
+host-sync-free token exchange (``a2a_splits='symmetric'``, :mod:`megatron_moe.symmetric`).
+
+    copy_row_blocks(src, dst, counts_B, block_rows, src_row0=0, dst_row0=0)
+
+copies, for every block b of ``counts_B`` (B blocks of ``block_rows`` rows), rows
+[0, counts_B[b]) of block b from ``src`` (rows from src_row0 + b * block_rows) to ``dst`` (rows
+from dst_row0 + b * block_rows). Rows past a block's count are not touched. The counts are read by
+the kernel, never by the host, so a CUDA graph can hold the copy; the grid covers whole blocks
+and a program past its block's count returns at once. ``src`` may be a peer GPU's memory (a
+symmetric-memory buffer), which the loads then read over NVLink.
+
+Legend: B blocks, C = block_rows, H hidden (row width).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, interpret_mode, use_triton
+
+# ----------------------------------------------------------------------------------------------
+# Configuration (a copy: no autotuning; rows x columns per program sized for 16-byte accesses)
+# ----------------------------------------------------------------------------------------------
+
+BLOCK_R = 16
+
+
+def _block_h(H: int) -> int:
+    if interpret_mode():
+        return 16
+    return min(1024, triton.next_power_of_2(H))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_row_blocks_kernel(
+    src_ptr, dst_ptr, counts_ptr,
+    block_rows, H, src_row0, dst_row0,
+    stride_src, stride_dst,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    b = tl.program_id(1)
+    r0 = tl.program_id(0) * BLOCK_R
+    n = tl.load(counts_ptr + b)
+    if r0 < n:
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < n
+        row_in_block = b.to(tl.int64) * block_rows + offs_r.to(tl.int64)
+        src_rows = (src_row0 + row_in_block) * stride_src
+        dst_rows = (dst_row0 + row_in_block) * stride_dst
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = mask_r[:, None] & (offs_h < H)[None, :]
+            x = tl.load(src_ptr + src_rows[:, None] + offs_h[None, :], mask=mask)
+            tl.store(dst_ptr + dst_rows[:, None] + offs_h[None, :], x, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def copy_row_blocks(src: torch.Tensor, dst: torch.Tensor, counts_B: torch.Tensor, block_rows: int,
+                    src_row0: int = 0, dst_row0: int = 0) -> None:
+    """In place into ``dst`` (see the module docstring). src, dst: 2-D, the same width and dtype,
+    rows contiguous; counts_B: int32/int64 on the same device, each in [0, block_rows]."""
+    counts_B = counts_B.reshape(-1).contiguous()  # the kernel reads counts_B[b] at offset b
+    B = counts_B.numel()
+    H = src.shape[1]
+    if src.dtype != dst.dtype or dst.shape[1] != H or src.stride(1) != 1 or dst.stride(1) != 1:
+        raise ValueError(f"copy_row_blocks: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
+                         f"{dst.dtype} need the same width and dtype, each row contiguous")
+    if src_row0 + B * block_rows > src.shape[0] or dst_row0 + B * block_rows > dst.shape[0]:
+        raise ValueError(f"copy_row_blocks: {B} blocks of {block_rows} rows from row {src_row0} / "
+                         f"{dst_row0} run past src ({src.shape[0]} rows) or dst ({dst.shape[0]} rows)")
+    if B == 0 or block_rows == 0 or H == 0:
+        return
+    if not use_triton(src, dst, counts_B):
+        copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0, dst_row0)
+        return
+    grid = (cdiv(block_rows, BLOCK_R), B)
+    _copy_row_blocks_kernel[grid](src, dst, counts_B, block_rows, H, src_row0, dst_row0,
+                                  src.stride(0), dst.stride(0), BLOCK_R=BLOCK_R, BLOCK_H=_block_h(H),
+                                  num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (plain PyTorch; also the CPU path). No host read of the counts: a mask per block.
+# ----------------------------------------------------------------------------------------------
+
+
+def copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0=0, dst_row0=0) -> None:
+    B = counts_B.numel()
+    valid_BC = torch.arange(block_rows, device=counts_B.device)[None, :] < counts_B.reshape(B, 1)
+    s = src[src_row0:src_row0 + B * block_rows].reshape(B, block_rows, -1)
+    d = dst[dst_row0:dst_row0 + B * block_rows].view(B, block_rows, -1)
+    d.copy_(torch.where(valid_BC[:, :, None], s, d))

@@ -1,0 +1,65 @@
+"""copy_row_blocks (the symmetric exchange's data movement) against a per-row Python loop:
+counts read on the device, empty and full blocks, block sizes not a multiple of the kernel's row
+tile, widths not a multiple of its column tile, row offsets, bf16 and fp32, int32 and int64
+counts, counts that are a strided view; rows past each count are never written."""
+import pytest
+import torch
+
+from megatron_moe.kernels.copy_rows import copy_row_blocks, copy_row_blocks_reference
+
+
+def _loop(src, dst, counts, C, src_row0, dst_row0):
+    out = dst.clone()
+    for b, n in enumerate(counts.reshape(-1).tolist()):
+        for i in range(n):
+            out[dst_row0 + b * C + i] = src[src_row0 + b * C + i]
+    return out
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("C, H, counts, offsets", [
+    (37, 20, [0, 37, 5], (0, 0)),        # empty, full, partial; 37 rows not a multiple of 16
+    (16, 16, [16, 16], (3, 40)),         # whole tiles, offsets on both sides
+    (5, 3, [1, 0, 0, 4], (2, 1)),        # tiny rows, four blocks
+    (40, 33, [0, 0, 0], (0, 0)),         # nothing to copy
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
+def test_copy_row_blocks_equals_a_row_loop(C, H, counts, offsets, dtype, count_dtype):
+    dev = _device()
+    src_row0, dst_row0 = offsets
+    B = len(counts)
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(src_row0 + B * C + 2, H, generator=g).to(dtype).to(dev)
+    dst = torch.full((dst_row0 + B * C + 3, H), -7.0, dtype=dtype, device=dev)  # untouched rows stay -7
+    counts_B = torch.tensor(counts, dtype=count_dtype, device=dev)
+    want = _loop(src.cpu(), dst.cpu(), counts_B.cpu(), C, src_row0, dst_row0)
+    copy_row_blocks(src, dst, counts_B, C, src_row0=src_row0, dst_row0=dst_row0)
+    assert torch.equal(dst.cpu(), want)
+    ref = torch.full_like(dst, -7.0)
+    copy_row_blocks_reference(src, ref, counts_B, C, src_row0, dst_row0)
+    assert torch.equal(ref.cpu(), want)
+
+
+def test_counts_from_a_strided_view():
+    """The exchange passes the last column of a cumulative count matrix: a view with stride El."""
+    dev = _device()
+    cum_PE = torch.tensor([[1, 3, 4], [0, 0, 2]], device=dev)  # last column: 4, 2
+    src = torch.randn(10, 8, device=dev)
+    dst = torch.zeros(10, 8, device=dev)
+    copy_row_blocks(src, dst, cum_PE[:, -1], 5)
+    want = _loop(src.cpu(), torch.zeros(10, 8), torch.tensor([4, 2]), 5, 0, 0)
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_bad_shapes_are_refused_in_one_line():
+    src, dst = torch.zeros(8, 4), torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="need the same width and dtype"):
+        copy_row_blocks(src, torch.zeros(8, 5), torch.tensor([1]), 4)
+    with pytest.raises(ValueError, match="need the same width and dtype"):
+        copy_row_blocks(src, dst.double(), torch.tensor([1]), 4)
+    with pytest.raises(ValueError, match=r"2 blocks of 4 rows from row 1 / 0 run past src \(8 rows\)"):
+        copy_row_blocks(src, dst, torch.tensor([1, 1]), 4, src_row0=1)
