@@ -131,6 +131,14 @@ def scenarios():
         unpermute_tokens(permute_tokens(x, routing), w, routing).sum().backward()
     yield "expert-parallel permutation", permutation
 
+    def row_blocks():  # the symmetric exchange's copies: bf16 and fp32 rows, int64 counts
+        from megatron_moe.kernels.copy_rows import copy_row_blocks
+
+        for dtype in (bf16, torch.float32):
+            src, dst = torch.randn(3 * 40, 768, dtype=dtype), torch.empty(3 * 40, 768, dtype=dtype)
+            copy_row_blocks(src, dst, torch.tensor([40, 0, 7]), 40)
+    yield "symmetric exchange row copies", row_blocks
+
     def cross_entropy():
         logits = torch.randn(16, 5000, dtype=bf16, requires_grad=True)
         lm_cross_entropy(logits, torch.randint(0, 5000, (16,))).sum().backward()
