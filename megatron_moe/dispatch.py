@@ -188,7 +188,6 @@ class AllToAllDispatcher(Dispatcher):
 class _PaddedContext:
     routing: Routing
     slot_N: torch.Tensor  # sorted position -> row of the padded [P * C] exchange buffer
-    block: int  # C rows per peer
     weights_TK: torch.Tensor
     send_P: torch.Tensor  # valid rows of each peer's block, sent / received (on the device)
     recv_P: torch.Tensor
@@ -224,7 +223,7 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         j_PC = torch.arange(C, device=dev).expand(P, C).contiguous()
         ids_R = torch.searchsorted(cum_PEl, j_PC, right=True).reshape(-1)  # El = padding
         ones_R1 = torch.ones(P * C, 1, device=dev, dtype=torch.float32)
-        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(routing, slot_N, C, weights_TK, send_P, recv_P)
+        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(routing, slot_N, weights_TK, send_P, recv_P)
 
     def combine(self, y_RH, ctx: _PaddedContext):
         y_back = self._exchange(y_RH, ctx.recv_P, ctx.send_P)

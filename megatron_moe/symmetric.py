@@ -41,6 +41,7 @@ class _Workspace:
         self.rank = dist.get_rank(group)
         self.nbytes = 0
         self.buffers: list[torch.Tensor] = []  # [P] uint8, this rank's own at self.rank
+        self.handle = None  # CUDA: the rendezvous of the buffers (their barrier's signal pads)
         self._outgrown: list = []  # earlier buffers, kept: a CUDA graph captured may still read them
 
     def view(self, peer: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -49,7 +50,7 @@ class _Workspace:
     def reserve(self, nbytes: int, device: torch.device) -> None:
         if nbytes > self.nbytes:
             if self.buffers:
-                self._outgrown.append((self.buffers, getattr(self, "handle", None)))
+                self._outgrown.append((self.buffers, self.handle))
             self._allocate(nbytes, device)
             self.nbytes = nbytes
 
@@ -77,7 +78,7 @@ class _CudaWorkspace(_Workspace):
             raise RuntimeError(f"model.moe.a2a_splits=symmetric needs the ranks of each expert-parallel group "
                                f"to share GPU memory (one node, peer access): the rendezvous failed ({e}); use "
                                f"a2a_splits=padded or host") from e
-        self.handle, self._own = handle, buf
+        self.handle = handle
         self.buffers = [buf if p == self.rank else handle.get_buffer(p, (nbytes,), torch.uint8)
                         for p in range(self.num_ranks)]
 
@@ -120,6 +121,9 @@ def workspace(group, device: torch.device) -> _Workspace:
 
 
 def _exchange(ws: _Workspace, x_PCH: torch.Tensor, n_out_P: torch.Tensor, n_in_P: torch.Tensor) -> torch.Tensor:
+    from .dispatch import ExchangeTimer  # (dispatch imports this module)
+
+    ev = ExchangeTimer.start(x_PCH.device)
     P, (rows, H) = ws.num_ranks, x_PCH.shape
     C = rows // P
     ws.reserve(rows * H * x_PCH.element_size(), x_PCH.device)
@@ -131,30 +135,21 @@ def _exchange(ws: _Workspace, x_PCH: torch.Tensor, n_out_P: torch.Tensor, n_in_P
         copy_row_blocks(ws.view(p, rows, H, x_PCH.dtype), out_PCH, n_in_P[p:p + 1], C,
                         src_row0=ws.rank * C, dst_row0=p * C)
     ws.barrier()
+    ExchangeTimer.stop(ev)
     return out_PCH
 
 
 class _SymmetricExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PCH, n_out_P, n_in_P, ws):
-        from .dispatch import ExchangeTimer
-
         ctx.ws = ws
         ctx.save_for_backward(n_out_P, n_in_P)
-        ev = ExchangeTimer.start(x_PCH.device)
-        out = _exchange(ws, x_PCH, n_out_P, n_in_P)
-        ExchangeTimer.stop(ev)
-        return out
+        return _exchange(ws, x_PCH, n_out_P, n_in_P)
 
     @staticmethod
     def backward(ctx, grad_PCH):
-        from .dispatch import ExchangeTimer
-
         n_out_P, n_in_P = ctx.saved_tensors
-        ev = ExchangeTimer.start(grad_PCH.device)
-        grad_in = _exchange(ctx.ws, grad_PCH, n_in_P, n_out_P)
-        ExchangeTimer.stop(ev)
-        return grad_in, None, None, None
+        return _exchange(ctx.ws, grad_PCH, n_in_P, n_out_P), None, None, None
 
 
 def symmetric_exchange(x_PCH: torch.Tensor, n_out_P: torch.Tensor, n_in_P: torch.Tensor, group) -> torch.Tensor:
