@@ -1,5 +1,8 @@
 """Helpers shared by tests of several tiers (tests/conftest.py puts this folder on sys.path)."""
+import os
 import socket
+import subprocess
+import sys
 
 
 def free_port() -> int:
@@ -7,6 +10,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_gloo_ranks(worker: str, args: list[str], world: int, out_dir, *, timeout: int = 300,
+                   local_rank: bool = False) -> list:
+    """``python WORKER ARGS`` as ranks 0..world-1 of one gloo process group on this machine (RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT set; LOCAL_RANK too with ``local_rank``; one thread each). Each
+    must exit 0 (else AssertionError with its output's tail) having saved OUT_DIR/rank{r}.pt;
+    returns those, loaded, in rank order."""
+    import torch
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, worker, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                                       **({"LOCAL_RANK": str(r)} if local_rank else {})))
+             for r in range(world)]
+    outs = [p.communicate(timeout=timeout)[0].decode() for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-3000:]
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
 def triton_kernels_run() -> bool:

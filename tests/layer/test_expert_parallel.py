@@ -5,7 +5,6 @@ weights; a rank that receives no tokens; all tokens to one rank's experts; the g
 reduction gives every rank the single-process gradient of the mean loss.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,23 +12,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ep_worker import TOKENS_PER_RANK, full_layer_and_batch  # noqa: E402
-from _util import free_port  # noqa: E402
+from _util import run_gloo_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "_ep_worker.py")
 
 
 def run_ranks(tmp_path, case, impl, ep, world):
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(tmp_path), case, impl, str(ep)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-3000:]
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return run_gloo_ranks(WORKER, [str(tmp_path), case, impl, str(ep)], world, tmp_path, timeout=600,
+                          local_rank=True)
 
 
 def reference(case, impl, world):

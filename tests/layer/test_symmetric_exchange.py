@@ -4,28 +4,19 @@ order, at three sizes (the buffers grow, then serve a smaller size); the backwar
 valid input row the gradient of the output row it became (rows past the counts are undefined both
 ways: the dispatcher never reads them). Float64, so every comparison is exact."""
 import os
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _util import free_port  # noqa: E402
+from _util import run_gloo_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "_exchange_worker.py")
 
 
 def test_rows_and_gradients_equal_a_plain_gather(tmp_path):
-    P, port = 3, free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
-             for r in range(P)]
-    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(P)]
+    P = 3
+    ranks = run_gloo_ranks(WORKER, [str(tmp_path)], P, tmp_path)
     for step in range(3):
         res = [ranks[r][step] for r in range(P)]
         C = res[0]["C"]

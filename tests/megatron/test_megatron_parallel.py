@@ -14,7 +14,6 @@ gradient norm; the expert biases megatron-core's finalize_model_grads updates; t
 of the distributed-checkpoint state dict (the EP = 1 tensors, whatever the EP size).
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _megatron_ep_worker import MICRO_BATCHES  # noqa: E402
 
-from _util import free_port  # noqa: E402
+from _util import run_gloo_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "_megatron_ep_worker.py")
 E = 8
@@ -32,17 +31,8 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 def run_ranks(out_dir, world, ep, impl, freq):
     out_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(out_dir), str(ep), impl, str(freq)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-3000:]
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+    return run_gloo_ranks(WORKER, [str(out_dir), str(ep), impl, str(freq)], world, out_dir, timeout=600,
+                          local_rank=True)
 
 
 _references = {}

@@ -6,7 +6,6 @@ data parallelism (world 2 and 4) and expert parallelism (world 4, EP 2: expert g
 the expert-data-parallel pairs), with a parameter that only one rank uses.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,21 +13,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reducer_worker import Toy  # noqa: E402
-from _util import free_port  # noqa: E402
+from _util import run_gloo_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "_reducer_worker.py")
 
 
 def run_ranks(tmp_path, world, ep):
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path), str(ep)],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o[-3000:]
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return run_gloo_ranks(WORKER, [str(tmp_path), str(ep)], world, tmp_path)
 
 
 def expected(world, ep):
