@@ -630,24 +630,45 @@ def test_a_checkpoint_without_expert_parallelism_resumes_with_it(workdir, straig
     assert [got[s] for s in range(9, STEPS + 1)] == pytest.approx([want[s] for s in range(9, STEPS + 1)], abs=5e-5)
 
 
-def test_a_checkpoint_at_expert_parallel_4_resumes_at_2(workdir):
-    """EP=4 over 4 gloo ranks (2 experts each, micro-batch 2) for 8 steps, then --resume at EP=2
-    over 2 ranks (4 experts each: each rank's experts come from two of the four shards): all 16
-    losses are those of one process at micro-batch 2 (the aux loss is per micro-batch, so the
-    reference has the same micro-batches; fp32 tolerance), and the change is reported."""
-    mb2 = ["logging.wandb=false", "train.micro_batch_size=2"]
-    _run(_overrides(workdir, "mb2", *mb2))
-    args = _overrides(workdir, "ep4to2", *mb2, "model.moe.expert_parallel_size=4")
-    _run(args + ["train.exit_interval=8"], nproc=4, OMP_NUM_THREADS="1")
-    run_dir = workdir / "runs" / "ep4to2"
-    ckpt = latest_checkpoint(run_dir)
-    assert sorted(p.name for p in ckpt.glob("experts_ep*.pt")) == [f"experts_ep00{j}.pt" for j in range(4)]
-    out = _run(_overrides(workdir, "ep4to2", *mb2, "model.moe.expert_parallel_size=2") + ["--resume"],
-               nproc=2, OMP_NUM_THREADS="1")
-    assert "model.moe.expert_parallel_size: 4 -> 2" in out.stdout, out.stdout[-2000:]
-    want = [r["lm_loss"] for r in read_metrics(workdir / "runs" / "mb2")]
-    got = [r["lm_loss"] for r in read_metrics(run_dir)]
-    assert len(got) == STEPS and got == pytest.approx(want, abs=5e-5)
+@pytest.fixture(scope="module")
+def mb1(workdir) -> Path:
+    """16 steps on one process at micro-batch 1: the reference of the runs below, which split the
+    global batch of 8 over 1, 2, 4 or 8 ranks into the same 8 one-sequence micro-batches (the aux
+    loss is per micro-batch, so the reference must have the same micro-batches)."""
+    _run(_overrides(workdir, "mb1", "logging.wandb=false", "train.micro_batch_size=1"))
+    return workdir / "runs" / "mb1"
+
+
+@pytest.mark.parametrize("first, then", [(8, (4, 1)), (4, (8, 2)), (1, (8,))])
+def test_checkpoints_move_between_expert_parallel_sizes(workdir, mb1, first, then):
+    """A run at EP=``first`` (``first`` gloo ranks, 8 experts split over them; EP=1 is the
+    reference's own step-8 checkpoint) stops after 8 steps; its checkpoint resumes at each size of
+    ``then`` (over that many ranks; each rank's experts come from one or several shards, or one
+    shard feeds several ranks): every run's 16 losses are the one-process run's (fp32 tolerance),
+    and the change of size is reported."""
+    import shutil
+
+    want = [r["lm_loss"] for r in read_metrics(mb1)]
+    base = ["logging.wandb=false", "train.micro_batch_size=1"]
+    name = f"ep{first}of8"
+    if first == 1:
+        shutil.copytree(mb1, workdir / "runs" / name, ignore=shutil.ignore_patterns("iter_0000016", ".lock"))
+        (workdir / "runs" / name / "checkpoints" / "latest").write_text("iter_0000008\n")
+    else:
+        _run(_overrides(workdir, name, *base, f"model.moe.expert_parallel_size={first}", "train.exit_interval=8"),
+             nproc=first, OMP_NUM_THREADS="1")
+        ckpt = latest_checkpoint(workdir / "runs" / name)
+        assert ckpt.name == "iter_0000008"
+        assert sorted(p.name for p in ckpt.glob("experts_ep*.pt")) == [f"experts_ep{j:03d}.pt" for j in range(first)]
+    for size in then:
+        run_dir = workdir / "runs" / f"{name}to{size}"
+        shutil.copytree(workdir / "runs" / name, run_dir)
+        out = _run(_overrides(workdir, run_dir.name, *base, f"model.moe.expert_parallel_size={size}") + ["--resume"],
+                   nproc=None if size == 1 else size, OMP_NUM_THREADS="1")
+        assert f"model.moe.expert_parallel_size: {first} -> {size}" in out.stdout, out.stdout[-2000:]
+        got = {r["step"]: r["lm_loss"] for r in read_metrics(run_dir)}
+        assert sorted(got) == list(range(1, STEPS + 1)), (size, sorted(got))
+        assert [got[s] for s in sorted(got)] == pytest.approx(want, abs=5e-5), (first, size)
 
 
 def test_expert_parallel_size_must_divide_world(workdir):
