@@ -131,7 +131,10 @@ def _exchange(ws: _Workspace, x_PCH: torch.Tensor, n_out_P: torch.Tensor, n_in_P
     copy_row_blocks(x_PCH, ws.view(ws.rank, rows, H, x_PCH.dtype), n_out_P, C)
     ws.barrier()
     out_PCH = torch.empty_like(x_PCH)
-    for p in range(P):
+    # rank r reads its own buffer, then r + 1, r + 2, ... (mod P): at every stage each buffer has
+    # one reader, where reading the peers in the same order on every rank has P - 1 ranks read
+    # rank 0's buffer at once, then rank 1's, sharing one GPU's links between them
+    for p in [(ws.rank + i) % P for i in range(P)]:
         copy_row_blocks(ws.view(p, rows, H, x_PCH.dtype), out_PCH, n_in_P[p:p + 1], C,
                         src_row0=ws.rank * C, dst_row0=p * C)
     ws.barrier()
