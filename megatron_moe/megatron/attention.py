@@ -9,10 +9,6 @@ so it cannot run on the CPU.
 
     query, key, value: [s, b, heads, head_dim]  ->  output [s, b, heads * head_dim]
 
-``MEGATRON_MOE_SDPA_BACKENDS`` (e.g. ``cudnn,flash,efficient,math``): the SDPA kernels allowed, first
-preferred (``torch.nn.attention.sdpa_kernel``), read when the layer is built; unset, PyTorch's own
-order.
-
 Masking: ``attn_mask_type`` causal -> ``is_causal=True``. An explicit ``attention_mask`` follows
 megatron's convention (bool, True = masked out, broadcastable to [b, heads, s_q, s_k]) and is
 combined with the causal mask. Grouped-query attention (fewer key/value heads) is supported;
@@ -23,7 +19,6 @@ Run its test: ``pytest tests/megatron/test_model.py -k attention``.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 from megatron_moe.megatron import require
@@ -35,27 +30,6 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
-ENV_SDPA_BACKENDS = "MEGATRON_MOE_SDPA_BACKENDS"
-_SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
-def sdpa_backends() -> Optional[list]:
-    """The SDPA backends ``MEGATRON_MOE_SDPA_BACKENDS`` names (comma-separated, first preferred),
-    or None when it is unset or empty (PyTorch's own choice)."""
-    raw = os.environ.get(ENV_SDPA_BACKENDS, "").strip()
-    if not raw:
-        return None
-    names = [n.strip().lower() for n in raw.split(",")]
-    bad = [n for n in names if n not in _SDPA_BACKENDS]
-    if bad or len(set(names)) != len(names):
-        what = f"unknown backend {bad[0]!r}" if bad else "a backend named twice"
-        raise ValueError(f"{ENV_SDPA_BACKENDS}={raw!r}: {what}; "
-                         f"give distinct names among {', '.join(_SDPA_BACKENDS)}, first preferred "
-                         "(e.g. cudnn,flash,efficient,math), or unset it")
-    return [_SDPA_BACKENDS[n] for n in names]
 
 
 class SDPAttention(MegatronModule):
@@ -94,7 +68,6 @@ class SDPAttention(MegatronModule):
         # multiplies them back: a no-op in exact arithmetic, so the plain scale is right.)
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.backends = sdpa_backends()
 
     def forward(
         self,
@@ -146,15 +119,9 @@ class SDPAttention(MegatronModule):
             attn_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
             is_causal = False
 
-        if self.backends is None:
-            out = self._sdpa(q, k, v, attn_mask, is_causal)
-        else:
-            with sdpa_kernel(self.backends, set_priority=True):
-                out = self._sdpa(q, k, v, attn_mask, is_causal)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=is_causal, scale=self.softmax_scale)
         # [b, n, s, d] -> [s, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * d)
-
-    def _sdpa(self, q, k, v, attn_mask, is_causal):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=is_causal, scale=self.softmax_scale)

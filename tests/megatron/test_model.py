@@ -195,37 +195,6 @@ def test_attention_padding_mask_gqa_and_decoding():
         attn(q, k, v, None, attention_bias=torch.zeros(1))
 
 
-@pytest.mark.parametrize("backends", ["math", "flash,math", " Efficient , MATH "])
-def test_attention_backends_named_in_the_environment(monkeypatch, backends):
-    """MEGATRON_MOE_SDPA_BACKENDS restricts and orders SDPA's kernels: every CPU-capable choice
-    matches float64, forward and backward (the CPU's flash kernel, or the math one)."""
-    monkeypatch.setenv("MEGATRON_MOE_SDPA_BACKENDS", backends)
-    torch.manual_seed(2)
-    s, b, n, d = 9, 2, 2, 8
-    attn = _attention(n, d)
-    assert len(attn.backends) == len(backends.split(","))
-    q, k, v = (torch.randn(s, b, n, d, requires_grad=True) for _ in range(3))
-    out = attn(q, k, v, None)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = _reference_attention(q64, k64, v64)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    go = torch.randn_like(out)
-    for g, r in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q64, k64, v64), go.double())):
-        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
-
-
-def test_attention_backends_refused_in_one_line(monkeypatch):
-    monkeypatch.setenv("MEGATRON_MOE_SDPA_BACKENDS", "cudnn,fast")
-    with pytest.raises(ValueError, match=r"^MEGATRON_MOE_SDPA_BACKENDS='cudnn,fast': unknown backend 'fast'; "
-                                         r"give distinct names among flash, cudnn, efficient, math"):
-        _attention()
-    monkeypatch.setenv("MEGATRON_MOE_SDPA_BACKENDS", "math,math")
-    with pytest.raises(ValueError, match="a backend named twice"):
-        _attention()
-    monkeypatch.setenv("MEGATRON_MOE_SDPA_BACKENDS", "")
-    assert _attention().backends is None  # PyTorch's own order
-
-
 # ----------------------------------------------------------------------------- the model
 MODEL_CASES = [
     pytest.param(None, {}, id="dense-gelu"),
