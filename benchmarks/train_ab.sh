@@ -12,8 +12,9 @@
 # GRAPHS: every run's train.cuda_graphs before its own overrides (default none: eager, so that an
 # A/B names its CUDA-graph runs; auto for the trainer's default);
 # medians over the steps after MEASURE_FROM (default 3); 'step1 s' is the first step's time
-# (autotuning, CUDA-graph capture). Everything lands in $OUT/train_ab.tgz
-# (logs, metrics.jsonl, profile tables) and $OUT/train_ab.txt (the table).
+# (autotuning, CUDA-graph capture); 'SM MHz' the median SM clock and 'max W' the highest power
+# nvidia-smi sampled every 0.5 s while the GPU drew over 200 W (NAME.clocks.csv). Everything lands
+# in $OUT/train_ab.tgz (logs, metrics.jsonl, profile tables, clocks) and $OUT/train_ab.txt (the table).
 set -uo pipefail
 OUT=${OUT:-$PWD/train_ab_out}; mkdir -p "$OUT"
 W=$(mktemp -d)
@@ -28,26 +29,46 @@ for spec in ${RUNS:?RUNS is empty}; do
     if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o"); else cfg_over+=("$o"); fi
   done
   extra=("${cfg_over[@]}")
+  # the GPU's SM clock, power and temperature every 0.5 s while the run lasts (a clock that
+  # falls in long steps shows as a lower median than in short ones)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+    -i "${CUDA_VISIBLE_DEVICES:-0}" -lms 500 > "$W/$name.clocks.csv" 2>/dev/null &
+  smi=$!
   env "${envs[@]}" MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.training \
     --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
     train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \
     train.lr_warmup_iters=2 train.eval_interval=0 train.save_interval=0 train.save_final=false \
     train.log_interval=1 data.default_corpus_mb=20 train.cuda_graphs="${GRAPHS:-none}" "${extra[@]}" > "$W/$name.log" 2>&1
-  echo "$name exit $? ($(grep -m1 -E '^done|Error' "$W/$name.log" | cut -c1-120))"
+  rc=$?
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  echo "$name exit $rc ($(grep -m1 -E '^done|Error' "$W/$name.log" | cut -c1-120))"
   cp /tmp/ab/"$name"/metrics.jsonl "$W/$name.jsonl" 2>/dev/null
   cp /tmp/ab/"$name"/profile_step*_rank0.txt "$W/$name.profile.txt" 2>/dev/null
 done
 python3 - "$W" "$MEASURE_FROM" "$PROFILE_STEP" <<'EOF' | tee "$W/train_ab.txt"
 import glob, json, os, statistics as st, sys
 w, first, prof = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-print(f"{'run':<28} {'tok/s':>9} {'s/step':>7} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'loss@1':>7} {'loss@end':>8} {'step1 s':>8}")
+def clocks(path):  # median SM MHz and highest power (W) over the samples of a busy GPU (power > 200 W)
+    rows = []
+    for line in open(path) if os.path.exists(path) else []:
+        f = [x.strip() for x in line.split(",")]
+        try:
+            rows.append((float(f[1]), float(f[2])))
+        except (IndexError, ValueError):
+            continue
+    busy = [r for r in rows if r[1] > 200] or rows
+    return (f"{st.median(r[0] for r in busy):>6.0f}", f"{max(r[1] for r in busy):>5.0f}") if busy else ("     -", "    -")
+
+
+print(f"{'run':<28} {'tok/s':>9} {'s/step':>7} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'loss@1':>7} {'loss@end':>8} {'step1 s':>8} {'SM MHz':>6} {'max W':>5}")
 for p in sorted(glob.glob(os.path.join(w, "*.jsonl"))):
     r = [json.loads(l) for l in open(p)]
     t = [x for x in r if x["step"] > first and x["step"] != prof]  # the profiled step runs slower or r
     print(f"{os.path.basename(p)[:-6]:<28} {st.median(x['tokens_per_s'] for x in t):>9,.0f} "
           f"{st.median(x['step_time_s'] for x in t):>7.3f} {st.median(x['tflops_per_gpu'] for x in t):>8.1f} "
           f"{100 * st.median(x['mfu'] for x in t):>5.1f}% {max(x['peak_mem_gb'] for x in r):>7.1f} "
-          f"{r[0]['lm_loss']:>7.4f} {r[-1]['lm_loss']:>8.4f} {r[0]['step_time_s']:>8.1f}")
+          f"{r[0]['lm_loss']:>7.4f} {r[-1]['lm_loss']:>8.4f} {r[0]['step_time_s']:>8.1f} "
+          f"{' '.join(clocks(p[:-6] + '.clocks.csv'))}")
 EOF
 cp "$W/train_ab.txt" "$OUT/"
 tar czf "$OUT/train_ab.tgz" -C "$W" .
