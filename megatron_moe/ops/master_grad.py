@@ -16,17 +16,34 @@ Megatron-LM's fp32 ``main_grad`` buffers are such a master gradient too
 (megatron_moe/megatron/grad_accum.py): there the Function returns an unread placeholder, as
 megatron-core's own fused linear layers do, so that Megatron's per-parameter hooks still run.
 
+Inside :func:`overwriting` every gradient asked for is written, not added into, even where one
+exists: the first micro-batch of a step captured in a CUDA graph (training/cuda_graphs.py)
+overwrites the previous step's gradients instead of adding into gradients zeroed beforehand.
+
 This module is the whole contract between the ops and whoever owns the masters.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
-__all__ = ["MasterGrad", "fp32_grad_of", "attach_master_grad"]
+__all__ = ["MasterGrad", "fp32_grad_of", "attach_master_grad", "overwriting"]
 
 _ATTR = "_fp32_master_grad"
+_overwrite = False
+
+
+@contextlib.contextmanager
+def overwriting():
+    """Within the block :meth:`MasterGrad.buffer` says "write" for gradients that exist too."""
+    global _overwrite
+    before, _overwrite = _overwrite, True
+    try:
+        yield
+    finally:
+        _overwrite = before
 
 
 class MasterGrad:
@@ -46,12 +63,13 @@ class MasterGrad:
 
     def buffer(self) -> tuple[torch.Tensor, bool]:
         """(the master's fp32 gradient, whether to add into it): a new uninitialised buffer and
-        False on the first micro-batch of a step."""
+        False on the first micro-batch of a step; the existing one and False inside
+        :func:`overwriting`."""
         g = self.master.grad
         if g is None:
             self.master.grad = g = torch.empty_like(self.master, memory_format=torch.contiguous_format)
             return g, False
-        return g, True
+        return g, not _overwrite
 
     def done(self) -> None:
         if self.on_ready is not None:

@@ -24,7 +24,9 @@ Why a replay is the eager micro-batch:
   * gradients: the backward adds into fp32 gradients (the masters', or the parameters'
     without bf16_params) that exist before the capture; each step zeroes them in place
     (``zero_grad(set_to_none=False)``) instead of freeing them, so the first micro-batch adds
-    into zeros (the same sum: 0 + g = g);
+    into zeros (the same sum: 0 + g = g); with ``MEGATRON_MOE_GRAPH_OVERWRITE=1`` and bf16
+    compute copies, a second capture writes them instead, replayed for each step's first
+    micro-batch, and nothing zeroes them (MicroBatchGraph's ``overwriting``);
   * the step's statistics (LM loss, aux and z losses, dropped fractions, tokens per expert) come
     out of the graph as one static vector that the step adds up after each replay;
   * what the warm-up changed is put back before the capture: gradients zeroed, the model's
@@ -53,6 +55,7 @@ cannot hold (the trainer prints which).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable
@@ -119,6 +122,12 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
     return "micro_batch", ""
 
 
+ENV_GRAPH_OVERWRITE = "MEGATRON_MOE_GRAPH_OVERWRITE"
+"""``1``: the trainer's graph overwrites the gradients in a step's first micro-batch instead of
+zeroing them and adding (MicroBatchGraph's ``overwriting``; bf16 compute copies only). Off by
+default until timed on a GPU."""
+
+
 class _CudaGraphs:
     """The real thing: warm-up on a side stream, capture on the same stream, replay. (Autograd
     keeps the stream each parameter's gradient accumulator first ran on: a capture on another
@@ -128,7 +137,9 @@ class _CudaGraphs:
         self.stream = None
 
     def warmup(self, fn: Callable[[], torch.Tensor], n: int) -> None:
-        self.stream = side = torch.cuda.Stream()
+        if self.stream is None:  # one side stream for every warm-up and capture
+            self.stream = torch.cuda.Stream()
+        side = self.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(n):
@@ -138,11 +149,14 @@ class _CudaGraphs:
         # the warm-up's freed blocks go back to the device: the capture allocates its own pool
         torch.cuda.empty_cache()
 
-    def capture(self, fn: Callable[[], torch.Tensor]):
+    def capture(self, fn: Callable[[], torch.Tensor], share=None):
+        """``share``: a graph captured before whose memory pool this one uses too (they never
+        run at the same time: one stream)."""
         graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call of another thread (the data loader's pinning, W&B) during
         # the capture does not invalidate it
-        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=None if share is None else share.pool(), stream=self.stream,
+                              capture_error_mode="thread_local"):
             out = fn()
         return graph, out
 
@@ -165,7 +179,7 @@ class EagerReplay:
         for _ in range(n):
             fn()
 
-    def capture(self, fn):
+    def capture(self, fn, share=None):
         return fn, fn()
 
     def replay(self, graph, out: torch.Tensor) -> None:
@@ -185,20 +199,38 @@ class MicroBatchGraph:
     warm-up's gradients are undone by zeroing. ``state``: tensors the step changes in place
     (restored after the warm-up). The returned tensor is the graph's static output: the next
     call overwrites it.
+
+    ``overwriting``: a context manager factory under which the step writes its gradients rather
+    than adding into them (ops/master_grad.py's ``overwriting``, for gradients that reach the
+    fp32 masters through a ``MasterGrad``). With it the step is captured twice, sharing one
+    memory pool: ``first=True`` replays the capture made under it, so a step's first micro-batch
+    overwrites the gradients of the step before and they need no zeroing (``overwrites``). One
+    eager pass under it, on gradients set to NaN, must leave every gradient finite (each one
+    written, none skipped); otherwise the graph adds into zeroed gradients as without it
+    (``overwrites`` False, ``no_overwrite`` says why).
     """
 
     def __init__(self, step: Callable[[dict], torch.Tensor], *, grads: list[torch.Tensor],
                  state: list[torch.Tensor], warmup_iters: int = 2, backend=None,
-                 on_capture: Callable[["MicroBatchGraph"], None] | None = None):
+                 on_capture: Callable[["MicroBatchGraph"], None] | None = None,
+                 overwriting: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.step, self.grads, self.state = step, list(grads), list(state)
         self.warmup_iters = warmup_iters
         self.backend = backend if backend is not None else _CudaGraphs()
         self.on_capture = on_capture
+        self.overwriting = overwriting
+        self.no_overwrite: str | None = None
         self.static: dict[str, torch.Tensor] | None = None
-        self.graph = self.out = None
+        self.graph = self.out = self.first_graph = self.first_out = None
         self.warmup_s = self.capture_s = None
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    @property
+    def overwrites(self) -> bool:
+        """Whether a step's first micro-batch (``first=True``) overwrites the gradients: no
+        zeroing between steps (before the capture: whether it is meant to)."""
+        return self.overwriting is not None
+
+    def __call__(self, batch: dict, first: bool = False) -> torch.Tensor:
         if self.graph is None:
             self._capture(batch)
         else:
@@ -207,6 +239,9 @@ class MicroBatchGraph:
                                    "since the capture: zero gradients in place (zero_grad(set_to_none=False))")
             for k, v in batch.items():
                 self.static[k].copy_(v, non_blocking=True)
+        if first and self.first_graph is not None:
+            self.backend.replay(self.first_graph, self.first_out)
+            return self.first_out
         self.backend.replay(self.graph, self.out)
         return self.out
 
@@ -218,9 +253,11 @@ class MicroBatchGraph:
         graph cannot go by itself: the step it replays refers back to the trainer, and that
         cycle is freed by the garbage collector, after the process group. ``wait=False`` (a
         failed step, whose GPU work may never end) skips waiting for the GPU."""
-        if self.graph is not None:
-            self.backend.release(self.graph, wait)
-        self.graph = self.out = self.static = None
+        for graph in (self.first_graph, self.graph):
+            if graph is not None:
+                self.backend.release(graph, wait)
+                wait = False  # one wait covers both
+        self.graph = self.out = self.first_graph = self.first_out = self.static = None
         self._grad_refs = []
 
     @torch.no_grad()
@@ -241,11 +278,29 @@ class MicroBatchGraph:
         saved_state = [t.clone() for t in self.state]
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
         run = lambda: self.step(self.static)  # noqa: E731
+
+        def run_first():  # (a real capture runs this once; EagerReplay at every replay)
+            with self.overwriting():
+                return self.step(self.static)
+
         t0 = time.perf_counter()
         self.backend.warmup(run, self.warmup_iters)
         self._undo(saved_state, rng)
+        if self.overwriting is not None:
+            with torch.no_grad():
+                for g in self.grads:
+                    g.grad.fill_(float("nan"))
+            self.backend.warmup(run_first, 1)
+            unwritten = [i for i, g in enumerate(self.grads) if not bool(torch.isfinite(g.grad).all())]
+            self._undo(saved_state, rng)
+            if unwritten:
+                self.no_overwrite = (f"{len(unwritten)} of {len(self.grads)} gradients not written by one "
+                                     f"micro-batch (the first: #{unwritten[0]})")
+                self.overwriting = None
         t1 = time.perf_counter()
         self.graph, self.out = self.backend.capture(run)
+        if self.overwriting is not None:
+            self.first_graph, self.first_out = self.backend.capture(run_first, share=self.graph)
         self._undo(saved_state, rng)  # a real capture runs nothing; EagerReplay's did
         self.warmup_s, self.capture_s = t1 - t0, time.perf_counter() - t1
         if self.on_capture is not None:

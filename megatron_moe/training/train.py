@@ -69,9 +69,10 @@ import torch.distributed as dist
 from megatron_moe import update_expert_biases
 from megatron_moe.dispatch import exchange_time_ms
 from megatron_moe.megatron import build_gpt_model, init_megatron, moe_layers, set_aux_loss_scale
+from megatron_moe.ops.master_grad import overwriting
 from megatron_moe.parallel import ParallelGroups, check_symmetric_exchange, init_parallel_groups
 
-from .cuda_graphs import EagerReplay, MicroBatchGraph, check_supported, resolve_mode
+from .cuda_graphs import ENV_GRAPH_OVERWRITE, EagerReplay, MicroBatchGraph, check_supported, resolve_mode
 from .checkpoint import (ABSENT, CheckpointError, config_changes, latest_checkpoint, load_checkpoint,
                          save_checkpoint, shape_changes, verify_checkpoint)
 from .data import MicroBatchSampler, build_datasets, micro_batch_loader, prepare_data, split_tokens
@@ -127,12 +128,22 @@ class Run:
     stop: StopSignals | None = None  # SIGTERM / SIGUSR1 noted by pretrain: save and stop
     graph: MicroBatchGraph | None = None  # train.cuda_graphs=micro_batch (cuda_graphs.py)
 
-    def micro_batch(self, batch: dict) -> torch.Tensor:
+    def micro_batch(self, batch: dict, first: bool = False) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch (replayed from the graph if there is
-        one): its statistics, [lm, aux, z, dropped(L), tokens_per_expert(L*E)] fp32."""
+        one; ``first``: the step's first): its statistics, [lm, aux, z, dropped(L),
+        tokens_per_expert(L*E)] fp32."""
         if self.graph is not None:
-            return self.graph(batch)
+            return self.graph(batch, first=first)
         return _micro_batch(self.model, self.layers, self.amp, self.num_micro, batch)
+
+    def zero_grad(self) -> None:
+        """Before a step's first micro-batch: free the gradients (eager: it writes new ones),
+        zero them in place (a graph adds into them), or nothing (a graph whose first
+        micro-batch overwrites them)."""
+        if self.graph is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        elif not self.graph.overwrites:
+            self.optimizer.zero_grad(set_to_none=False)
 
     def print(self, *args, bar=None) -> None:
         if self.di.rank != 0:
@@ -280,10 +291,17 @@ def _micro_batch_graph(run: Run, ep: int, a2a_splits: str, mode: str) -> MicroBa
         run.print("note: with train.cuda_graphs the gradient reduction runs after the backward "
                   "(train.overlap_grad_reduce applies to eager steps)")
 
+    overwrite = os.environ.get(ENV_GRAPH_OVERWRITE, "0") == "1"
+    if overwrite and run.bf16 is None:
+        run.print(f"note: {ENV_GRAPH_OVERWRITE}=1 needs bf16 compute copies (train.bf16_params): "
+                  "the graph adds into zeroed gradients")
+
     def captured(g: MicroBatchGraph) -> None:
+        how = ("; the first micro-batch overwrites the gradients" if g.overwrites else
+               f"; gradients zeroed each step ({g.no_overwrite})" if g.no_overwrite else "")
         run.print(f"cuda graphs: {g.warmup_iters} warm-up micro-batches {g.warmup_s:.1f} s, "
                   f"capture {g.capture_s:.1f} s (train.cuda_graphs={tc.cuda_graphs}"
-                  f"{' -> ' + mode if mode != tc.cuda_graphs else ''})")
+                  f"{' -> ' + mode if mode != tc.cuda_graphs else ''}){how}")
         times = {"cuda_graph_warmup_s": g.warmup_s, "cuda_graph_capture_s": g.capture_s}
         run.first_info.update(times)  # the capture runs in the first step: its row has them
         run.logger.summary(times)
@@ -291,7 +309,8 @@ def _micro_batch_graph(run: Run, ep: int, a2a_splits: str, mode: str) -> MicroBa
     step = lambda batch: _micro_batch(run.model, run.layers, run.amp, run.num_micro, batch)  # noqa: E731
     return MicroBatchGraph(step, grads=run.params, state=list(run.model.buffers()),
                            backend=EagerReplay() if run.di.device.type != "cuda" else None,
-                           on_capture=captured)
+                           on_capture=captured,
+                           overwriting=overwriting if overwrite and run.bf16 is not None else None)
 
 
 def restore(run: Run, ckpt: Path) -> None:
@@ -354,8 +373,7 @@ def train_step(run: Run) -> StepResult:
     lr = lr_at(run.step, tc)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    # a CUDA graph adds into the gradients it was captured with: zero them in place
-    run.optimizer.zero_grad(set_to_none=run.graph is None)
+    run.zero_grad()
     hooks.out_of_memory(run.step + 1)  # tests: a micro-batch too large for the memory
     stats_C = None
     for micro in range(run.num_micro):
@@ -365,7 +383,7 @@ def train_step(run: Run) -> StepResult:
             batch["loss_factor"] = torch.tensor(factor, device=device)
         if micro == run.num_micro - 1 and run.graph is None:
             run.reducer.arm()  # overlap_grad_reduce: buckets reduce during this backward
-        micro_C = run.micro_batch(batch)
+        micro_C = run.micro_batch(batch, first=micro == 0)
         stats_C = micro_C.clone() if stats_C is None else stats_C.add_(micro_C)
     run.reducer.reduce()
     grad_norm = clip_grad_norm(run.params, tc.clip_grad, run.groups, scale=False)  # the step scales
@@ -389,7 +407,7 @@ def train_step(run: Run) -> StepResult:
         update_expert_biases(run.model)
         run.consecutive = 0
     else:  # skip the update; the step, its data and the schedule still count
-        run.optimizer.zero_grad(set_to_none=run.graph is None)
+        run.zero_grad()
         run.skipped += 1
         run.consecutive += 1
     run.step += 1

@@ -31,15 +31,16 @@ REPO = Path(__file__).resolve().parents[2]
 class _Counter(EagerReplay):
     def __init__(self):
         self.warmups = self.captures = self.replays = 0
-        self.released = []
+        self.released, self.shared = [], []
 
     def warmup(self, fn, n):
         self.warmups += n
         super().warmup(fn, n)
 
-    def capture(self, fn):
+    def capture(self, fn, share=None):
         self.captures += 1
-        return super().capture(fn)
+        self.shared.append(share)
+        return super().capture(fn, share)
 
     def replay(self, graph, out):
         self.replays += 1
@@ -128,6 +129,66 @@ def test_gradients_exist_before_the_capture_and_are_added_into():
     m.zero_grad(set_to_none=True)  # the graph would write into freed memory: refused
     with pytest.raises(RuntimeError, match=r"a gradient the graph adds into was freed or replaced"):
         graph(b)
+
+
+def _sink_step(masters, skip=()):
+    """A step that hands each master a 'gradient' (a function of the batch) through its
+    MasterGrad, as the experts' kernels and the bf16 copies' hook do: written or added into as
+    the sink says; masters whose index is in ``skip`` get none."""
+    from megatron_moe.ops.master_grad import MasterGrad
+
+    def step(batch):
+        for i, m in enumerate(masters):
+            if i in skip:
+                continue
+            out, add = MasterGrad(m).buffer()
+            g = batch["x"][i] * torch.arange(1.0, m.numel() + 1).reshape(m.shape)
+            out.add_(g) if add else out.copy_(g)
+        return batch["x"].sum().reshape(1)
+    return step
+
+
+def test_a_first_micro_batch_that_overwrites_needs_no_zeroing():
+    """With ``overwriting`` the step is captured twice (the second sharing the first's pool);
+    ``first=True`` replays the overwriting capture: three steps of two micro-batches with no
+    zeroing in between leave each step's own sum, as eager steps with fresh gradients do."""
+    from megatron_moe.ops.master_grad import overwriting
+
+    masters = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    backend = _Counter()
+    graph = MicroBatchGraph(_sink_step(masters), grads=masters, state=[], backend=backend, overwriting=overwriting)
+    assert graph.overwrites
+    for step in range(3):
+        xs = [torch.randn(2) for _ in range(2)]
+        for micro, x in enumerate(xs):
+            graph({"x": x}, first=micro == 0)
+        for i, m in enumerate(masters):
+            want = (xs[0][i] + xs[1][i]) * torch.arange(1.0, m.numel() + 1).reshape(m.shape)
+            torch.testing.assert_close(m.grad, want, rtol=1e-6, atol=1e-6)
+    assert graph.overwrites and graph.no_overwrite is None
+    assert (backend.warmups, backend.captures, backend.replays) == (3, 2, 6)
+    assert backend.shared == [None, graph.graph]  # the overwriting capture shares the first's pool
+    first, rest = graph.first_graph, graph.graph
+    graph.release()
+    assert backend.released == [(first, True), (rest, False)]  # one wait for both
+
+
+def test_a_gradient_left_unwritten_keeps_the_zeroing():
+    """A master the step does not write (here the second) would keep the last step's gradient:
+    the NaN-filled check pass finds it, and the graph adds into zeroed gradients instead (one
+    capture, ``overwrites`` False, the reason kept for the trainer's line)."""
+    from megatron_moe.ops.master_grad import overwriting
+
+    masters = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    backend = _Counter()
+    graph = MicroBatchGraph(_sink_step(masters, skip={1}), grads=masters, state=[], backend=backend,
+                            overwriting=overwriting)
+    graph({"x": torch.ones(2)}, first=True)
+    assert not graph.overwrites and graph.first_graph is None
+    assert graph.no_overwrite == "1 of 2 gradients not written by one micro-batch (the first: #1)"
+    assert backend.captures == 1
+    assert torch.equal(masters[1].grad, torch.zeros(2))  # the check's NaN undone
+    torch.testing.assert_close(masters[0].grad, torch.tensor([1.0, 2.0, 3.0]))
 
 
 def _layer(**kw):
@@ -317,15 +378,22 @@ def test_the_trainer_refuses_graphs_on_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["model.moe.score_function=sigmoid", "model.moe.expert_bias=true"],
-                                   ["train.grad_accumulation_fusion=false"]])
-def test_graphed_steps_equal_eager_steps_on_the_gpu(tmp_path, extra, recwarn):
+@pytest.mark.parametrize("extra, overwrite", [
+    ([], False), (["model.moe.score_function=sigmoid", "model.moe.expert_bias=true"], False),
+    (["train.grad_accumulation_fusion=false"], False), ([], True),
+    (["train.grad_accumulation_fusion=false"], True)])
+def test_graphed_steps_equal_eager_steps_on_the_gpu(tmp_path, extra, overwrite, recwarn, monkeypatch):
     """tiny-cpu on the GPU (bf16 params, fp32 masters), 6 steps of 2 micro-batches, eager and
     with train.cuda_graphs=auto (the default; on one GPU: micro_batch): the same losses and
     gradient norms to bf16 rounding (the kernels are the same; the replay runs them without the
     host), and the capture reported, with no warning on the way (autograd warns when the capture
-    runs on another stream than the warm-up's; torch when the group's device is guessed)."""
+    runs on another stream than the warm-up's; torch when the group's device is guessed).
+    ``overwrite``: MEGATRON_MOE_GRAPH_OVERWRITE=1, two captures sharing a memory pool, the first
+    micro-batch's overwriting the gradients."""
     from megatron_moe.training.train import pretrain
+
+    if overwrite:
+        monkeypatch.setenv("MEGATRON_MOE_GRAPH_OVERWRITE", "1")
 
     out = {}
     for mode in ("none", "auto"):

@@ -707,9 +707,12 @@ def test_cuda_graph_bookkeeping_keeps_every_loss(workdir, straight):
     """train.cuda_graphs=micro_batch with the CPU stand-in for the graph (cuda_graphs.EagerReplay:
     two warm-up passes, a capture, replays through static inputs and outputs, gradients zeroed
     in place and added into): the same LM losses, gradient norms and validation losses as the
-    eager straight run, every digit; the capture is reported once, in the first row."""
-    _run(_overrides(workdir, "graphed", "logging.wandb=false", "train.cuda_graphs=micro_batch"),
-         hooks=["--cuda-graphs-on-cpu"])
+    eager straight run, every digit; the capture is reported once, in the first row. Without bf16
+    compute copies MEGATRON_MOE_GRAPH_OVERWRITE=1 cannot apply (autograd adds into the fp32
+    gradients): the run says so and zeroes them."""
+    out = _run(_overrides(workdir, "graphed", "logging.wandb=false", "train.cuda_graphs=micro_batch"),
+               hooks=["--cuda-graphs-on-cpu"], MEGATRON_MOE_GRAPH_OVERWRITE="1")
+    assert "MEGATRON_MOE_GRAPH_OVERWRITE=1 needs bf16 compute copies" in out.stdout, out.stdout[-2000:]
     got, want = read_metrics(workdir / "runs" / "graphed"), read_metrics(straight)
     for key in ("lm_loss", "grad_norm", "aux_loss", "z_loss", "val_loss"):
         assert [r.get(key) for r in got] == [r.get(key) for r in want], key
@@ -723,16 +726,20 @@ def test_cuda_graph_bookkeeping_with_bf16_params(workdir, name, extra):
     """The same with bf16 compute copies (their gradients added into the fp32 masters by a hook,
     or by the experts' kernels with grad_accumulation_fusion) and, in the first case, expert
     biases (the routers' token counts, which the warm-up also adds to, are put back): 6 steps,
-    each equal to the eager run's, every digit."""
+    each equal to the eager run's, every digit; also with MEGATRON_MOE_GRAPH_OVERWRITE=1 (a
+    step's first micro-batch overwrites the gradients: no zeroing), which the trainer reports."""
     rows = {}
-    for mode in ("none", "micro_batch"):
+    for mode in ("none", "micro_batch", "overwrite"):
         args = _overrides(workdir, f"{name}-{mode}", "logging.wandb=false", "train.train_iters=6",
                           "train.lr_warmup_iters=2", "train.save_final=false",
-                          f"train.cuda_graphs={mode}", *extra)
-        _run(args, hooks=["--bf16-on-cpu", "--cuda-graphs-on-cpu"])
+                          f"train.cuda_graphs={'none' if mode == 'none' else 'micro_batch'}", *extra)
+        env = {"MEGATRON_MOE_GRAPH_OVERWRITE": "1"} if mode == "overwrite" else {}
+        out = _run(args, hooks=["--bf16-on-cpu", "--cuda-graphs-on-cpu"], **env)
+        assert ("the first micro-batch overwrites the gradients" in out.stdout) == (mode == "overwrite"), mode
         rows[mode] = read_metrics(workdir / "runs" / f"{name}-{mode}")
     for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/layer1/max_share"):
         assert [r[key] for r in rows["micro_batch"]] == [r[key] for r in rows["none"]], key
+        assert [r[key] for r in rows["overwrite"]] == [r[key] for r in rows["none"]], key
 
 
 @pytest.mark.parametrize("name,splits,graphs,extra,hooks", [
