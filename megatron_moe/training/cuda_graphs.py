@@ -291,7 +291,8 @@ class MicroBatchGraph:
                 for g in self.grads:
                     g.grad.fill_(float("nan"))
             self.backend.warmup(run_first, 1)
-            unwritten = [i for i, g in enumerate(self.grads) if not bool(torch.isfinite(g.grad).all())]
+            finite = torch.stack([torch.isfinite(g.grad).all() for g in self.grads]).tolist() if self.grads else []
+            unwritten = [i for i, ok in enumerate(finite) if not ok]
             self._undo(saved_state, rng)
             if unwritten:
                 self.no_overwrite = (f"{len(unwritten)} of {len(self.grads)} gradients not written by one "
