@@ -20,6 +20,8 @@
 | MEGATRON_MOE_FUSED_NORM | LayerNorm runs kernels/layer_norm.py's    | 0: torch's LayerNorm                          |
 |                         | kernels (the weight gradients reduced in  |                                               |
 |                         | the backward's own pass)                  |                                               |
+| MEGATRON_MOE_BIAS_GRAD  | a linear layer's bias gradient is summed  | 0: torch's reduction (``dy.sum(0)``)          |
+|                         | by kernels/column_sum.py (ops/linear.py)  |                                               |
 | MEGATRON_MOE_COMPILE_WORKERS | a new tuning first compiles its     | N: that many processes; 0 or 1: none (the     |
 |                         | candidates in forked processes, one per   | autotuner compiles them one by one)           |
 |                         | CPU of this rank, at most 8 (tuning.py)   |                                               |
@@ -32,7 +34,7 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``) or at each new tuning
+each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``, ``bias_grad_kernel``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
@@ -93,6 +95,12 @@ def fused_router() -> bool:
 def fused_norm() -> bool:
     """MEGATRON_MOE_FUSED_NORM != "0": LayerNorm through kernels/layer_norm.py."""
     return os.environ.get("MEGATRON_MOE_FUSED_NORM", "1") != "0"
+
+
+def bias_grad_kernel() -> bool:
+    """MEGATRON_MOE_BIAS_GRAD != "0": a linear layer's bias gradient through kernels/column_sum.py
+    (megatron_moe/ops/linear.py)."""
+    return os.environ.get("MEGATRON_MOE_BIAS_GRAD", "1") != "0"
 
 
 def compile_workers() -> int:

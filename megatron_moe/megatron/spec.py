@@ -77,6 +77,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.layer import DroplessMoE
+from megatron_moe.ops.linear import linear
 from megatron_moe.parallel import init_parallel_groups
 
 from .attention import SDPAttention
@@ -108,11 +109,12 @@ def _linear_forward(base_impl, layer, input, weight, bias=None, **kwargs):
 
     megatron-core's linear autograd function is decorated with custom_fwd/custom_bwd bound to
     device_type="cuda": under CPU autocast its backward multiplies a bf16 gradient with the fp32
-    weight and fails. F.linear is the same math and autocasts on every device."""
+    weight and fails. F.linear is the same math and autocasts on every device; with a bias,
+    megatron_moe/ops/linear.py's ``linear`` (F.linear, the bias gradient summed by our kernel)."""
     if (kwargs.get("gradient_accumulation_fusion") or kwargs.get("allreduce_dgrad")
             or kwargs.get("sequence_parallel") or kwargs.get("grad_output_buffer") is not None):
         return base_impl(layer, input, weight, bias=bias, **kwargs)
-    return F.linear(input, weight, bias)
+    return linear(input, weight, bias)
 
 
 ENV_BIAS_IN_GEMM = "MEGATRON_MOE_BIAS_IN_GEMM"
@@ -147,7 +149,7 @@ class ColumnLinear(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is None and self.bias_in_gemm():
-            return F.linear(input_, self.weight, self.bias), None
+            return linear(input_, self.weight, self.bias), None
         return super().forward(input_, weight, runtime_gather_output)
 
     def _forward_impl(self, input, weight, bias=None, **kwargs):
@@ -170,7 +172,7 @@ class RowLinear(RowParallelLinear):
 
     def forward(self, input_):
         if self.bias_in_gemm():
-            return F.linear(input_, self.weight, self.bias), None
+            return linear(input_, self.weight, self.bias), None
         return super().forward(input_)
 
     def _forward_impl(self, input, weight, bias=None, **kwargs):

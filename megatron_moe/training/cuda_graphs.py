@@ -24,9 +24,9 @@ Why a replay is the eager micro-batch:
   * gradients: the backward adds into fp32 gradients (the masters', or the parameters'
     without bf16_params) that exist before the capture; each step zeroes them in place
     (``zero_grad(set_to_none=False)``) instead of freeing them, so the first micro-batch adds
-    into zeros (the same sum: 0 + g = g); with ``MEGATRON_MOE_GRAPH_OVERWRITE=1`` and bf16
-    compute copies, a second capture writes them instead, replayed for each step's first
-    micro-batch, and nothing zeroes them (MicroBatchGraph's ``overwriting``);
+    into zeros (the same sum: 0 + g = g); with bf16 compute copies (unless
+    ``MEGATRON_MOE_GRAPH_OVERWRITE=0``), a second capture writes them instead, replayed for each
+    step's first micro-batch, and nothing zeroes them (MicroBatchGraph's ``overwriting``);
   * the step's statistics (LM loss, aux and z losses, dropped fractions, tokens per expert) come
     out of the graph as one static vector that the step adds up after each replay;
   * what the warm-up changed is put back before the capture: gradients zeroed, the model's
@@ -123,9 +123,9 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
 
 
 ENV_GRAPH_OVERWRITE = "MEGATRON_MOE_GRAPH_OVERWRITE"
-"""``1``: the trainer's graph overwrites the gradients in a step's first micro-batch instead of
-zeroing them and adding (MicroBatchGraph's ``overwriting``; bf16 compute copies only). Off by
-default until timed on a GPU."""
+"""By default (with bf16 compute copies) the trainer's graph overwrites the gradients in a step's
+first micro-batch instead of zeroing them and adding (MicroBatchGraph's ``overwriting``); ``0``
+keeps the zeroing."""
 
 
 class _CudaGraphs:

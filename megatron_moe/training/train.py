@@ -291,8 +291,9 @@ def _micro_batch_graph(run: Run, ep: int, a2a_splits: str, mode: str) -> MicroBa
         run.print("note: with train.cuda_graphs the gradient reduction runs after the backward "
                   "(train.overlap_grad_reduce applies to eager steps)")
 
-    overwrite = os.environ.get(ENV_GRAPH_OVERWRITE, "0") == "1"
-    if overwrite and run.bf16 is None:
+    asked = os.environ.get(ENV_GRAPH_OVERWRITE, "")
+    overwrite = asked != "0"  # the default; "0" keeps the zeroing
+    if asked == "1" and run.bf16 is None:
         run.print(f"note: {ENV_GRAPH_OVERWRITE}=1 needs bf16 compute copies (train.bf16_params): "
                   "the graph adds into zeroed gradients")
 

@@ -167,6 +167,19 @@ def scenarios():
             del os.environ["MEGATRON_MOE_FUSED_NORM"]
     yield "LayerNorm", norm
 
+    def bias_grad():  # megatron_moe/ops/linear.py: the bias gradient's column sum, bf16 and fp32
+        from megatron_moe.ops.linear import linear
+        os.environ["MEGATRON_MOE_BIAS_GRAD"] = "1"
+        try:
+            for dtype in (bf16, torch.float32):
+                x = torch.randn(64, 2, 96, dtype=dtype, requires_grad=True)
+                w = torch.randn(300, 96, dtype=dtype, requires_grad=True)
+                b = torch.zeros(300, dtype=dtype, requires_grad=True)
+                linear(x, w, b).sum().backward()
+        finally:
+            del os.environ["MEGATRON_MOE_BIAS_GRAD"]
+    yield "linear's bias gradient", bias_grad
+
 
 def main() -> int:
     compiled = compile_only()

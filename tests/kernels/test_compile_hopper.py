@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 HARNESS = Path(__file__).with_name("_compile_sm90.py")
-KERNELS = ["_adamw_kernel", "_chunk_scan_kernel", "_copy_row_blocks_kernel", "_cross_entropy_bwd_kernel", "_cross_entropy_fwd_kernel",
+KERNELS = ["_adamw_kernel", "_chunk_scan_kernel", "_column_sum_finish_kernel", "_column_sum_kernel",
+           "_copy_row_blocks_kernel", "_cross_entropy_bwd_kernel", "_cross_entropy_fwd_kernel",
            "_dds_kernel", "_dsd_kernel", "_expert_scan_kernel", "_gather_rows_kernel", "_grouped_gemm_kernel",
            "_grouped_wgrad_kernel", "_histogram_kernel", "_ln_bwd_kernel", "_ln_fwd_kernel",
            "_route_bwd_kernel", "_route_fwd_kernel",

@@ -388,12 +388,11 @@ def test_graphed_steps_equal_eager_steps_on_the_gpu(tmp_path, extra, overwrite, 
     gradient norms to bf16 rounding (the kernels are the same; the replay runs them without the
     host), and the capture reported, with no warning on the way (autograd warns when the capture
     runs on another stream than the warm-up's; torch when the group's device is guessed).
-    ``overwrite``: MEGATRON_MOE_GRAPH_OVERWRITE=1, two captures sharing a memory pool, the first
-    micro-batch's overwriting the gradients."""
+    ``overwrite`` (the default): two captures sharing a memory pool, the first micro-batch's
+    overwriting the gradients; else MEGATRON_MOE_GRAPH_OVERWRITE=0, the gradients zeroed."""
     from megatron_moe.training.train import pretrain
 
-    if overwrite:
-        monkeypatch.setenv("MEGATRON_MOE_GRAPH_OVERWRITE", "1")
+    monkeypatch.setenv("MEGATRON_MOE_GRAPH_OVERWRITE", "1" if overwrite else "0")
 
     out = {}
     for mode in ("none", "auto"):
@@ -420,9 +419,11 @@ def test_graphed_expert_parallel_steps_equal_eager_ones_on_two_gpus(tmp_path, sp
     (a2a_splits padded: NCCL all-to-alls of whole blocks; symmetric: peer-memory copies of the
     valid rows and their barriers): 6 steps eager and with train.cuda_graphs=micro_batch (the
     graph holds the exchanges), the same losses and gradient norms to bf16 rounding, the capture
-    reported, none of the trainer's or torch's stream and device warnings on stderr, and the
-    process group destroyed without the teardown's deadline (the graph released first). The
-    eager run of 'symmetric' is checked against 'host' (the exact NCCL exchange)."""
+    reported (with the bf16 compute copies, each step's first micro-batch overwriting the
+    gradients from a second capture: the default), none of the trainer's or torch's stream and
+    device warnings on stderr, and the process group destroyed without the teardown's deadline
+    (the graph released first). The eager run of 'symmetric' is checked against 'host' (the exact
+    NCCL exchange)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from _trainer import read_metrics, run_trainer
 
@@ -440,6 +441,8 @@ def test_graphed_expert_parallel_steps_equal_eager_ones_on_two_gpus(tmp_path, sp
         needles = ("megatron-moe-train", "AccumulateGrad node's stream", "barrier(): using the device",
                    "Guessing device ID")
         assert not any(n in proc.stderr for n in needles), proc.stderr[-3000:]
+        if mode == "micro_batch":
+            assert "the first micro-batch overwrites the gradients" in proc.stdout, proc.stdout[-3000:]
         rows[mode, sp] = read_metrics(tmp_path / f"ep-{mode}-{sp}")
     assert "cuda_graph_capture_s" in rows["micro_batch", splits][0]
     for key in ("lm_loss", "grad_norm"):

@@ -726,14 +726,15 @@ def test_cuda_graph_bookkeeping_with_bf16_params(workdir, name, extra):
     """The same with bf16 compute copies (their gradients added into the fp32 masters by a hook,
     or by the experts' kernels with grad_accumulation_fusion) and, in the first case, expert
     biases (the routers' token counts, which the warm-up also adds to, are put back): 6 steps,
-    each equal to the eager run's, every digit; also with MEGATRON_MOE_GRAPH_OVERWRITE=1 (a
-    step's first micro-batch overwrites the gradients: no zeroing), which the trainer reports."""
+    each equal to the eager run's, every digit, by default (a step's first micro-batch overwrites
+    the gradients: no zeroing; the trainer says so) and with MEGATRON_MOE_GRAPH_OVERWRITE=0 (the
+    gradients zeroed and added into)."""
     rows = {}
     for mode in ("none", "micro_batch", "overwrite"):
         args = _overrides(workdir, f"{name}-{mode}", "logging.wandb=false", "train.train_iters=6",
                           "train.lr_warmup_iters=2", "train.save_final=false",
                           f"train.cuda_graphs={'none' if mode == 'none' else 'micro_batch'}", *extra)
-        env = {"MEGATRON_MOE_GRAPH_OVERWRITE": "1"} if mode == "overwrite" else {}
+        env = {"MEGATRON_MOE_GRAPH_OVERWRITE": "0"} if mode == "micro_batch" else {}
         out = _run(args, hooks=["--bf16-on-cpu", "--cuda-graphs-on-cpu"], **env)
         assert ("the first micro-batch overwrites the gradients" in out.stdout) == (mode == "overwrite"), mode
         rows[mode] = read_metrics(workdir / "runs" / f"{name}-{mode}")
@@ -746,13 +747,15 @@ def test_cuda_graph_bookkeeping_with_bf16_params(workdir, name, extra):
     ("fp32", "padded", "auto", [], []),
     ("bf16-bias", "padded", "micro_batch", ["model.moe.score_function=sigmoid", "model.moe.expert_bias=true"],
      ["--bf16-on-cpu"]),
-    ("fp32", "symmetric", "auto", [], [])])
+    ("fp32", "symmetric", "auto", [], []),
+    ("bf16", "symmetric", "micro_batch", [], ["--bf16-on-cpu"])])
 def test_cuda_graph_bookkeeping_under_expert_parallelism(workdir, name, splits, graphs, extra, hooks):
     """EP=2 over 2 gloo ranks with an exchange that needs no host read (a2a_splits padded, or
     symmetric: on the CPU its shared-memory stand-in) and the CPU stand-in for the graph: 6
     steps, each equal to the eager EP run's (every digit; both reduce the gradients after the
-    backward, as a graph does), also with bf16 compute copies and expert biases (whose token
-    counts the warm-up also adds to). ``auto`` graphs such a run, and says so."""
+    backward, as a graph does), also with bf16 compute copies (there each step's first
+    micro-batch overwrites the gradients from a second capture, with both exchanges) and expert
+    biases (whose token counts the warm-up also adds to). ``auto`` graphs such a run, and says so."""
     rows = {}
     for mode in ("none", graphs):
         args = _overrides(workdir, f"ep2-{splits}-{name}-{mode}", "logging.wandb=false", "train.train_iters=6",
@@ -764,6 +767,8 @@ def test_cuda_graph_bookkeeping_under_expert_parallelism(workdir, name, splits, 
     assert len(rows[graphs]) == 6 and "cuda_graph_capture_s" in rows[graphs][0]
     if graphs == "auto":
         assert "capture" in out.stdout and "(train.cuda_graphs=auto -> micro_batch)" in out.stdout, out.stdout[-2000:]
+    overwrites = "the first micro-batch overwrites the gradients" in out.stdout
+    assert overwrites == ("--bf16-on-cpu" in hooks), out.stdout[-2000:]
     for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/ep_rank_imbalance", "expert_load/layer1/max_share"):
         assert [r[key] for r in rows[graphs]] == [r[key] for r in rows["none"]], key
 

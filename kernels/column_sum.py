@@ -1,0 +1,79 @@
+"""Column sums of a [M, N] matrix in fp32: a linear layer's bias gradient, db = Σ_m dy[m, :].
+
+* :func:`column_sum_triton`: each program of a first kernel sums a [rows, BLOCK_N] slab of x into
+  fp32 partials [P, N]; a second adds the partials in a fixed order (deterministic, like
+  kernels/layer_norm.py's weight gradients) and rounds once to the output's dtype.
+
+Why: PyTorch reduces such an outer dimension (``dy.sum(0)`` in a linear layer's backward) well
+below an H200's bandwidth at a micro-batch's shapes (1.3 TB/s at [32768, 768]; docs/performance.md,
+"The bias gradients summed by our kernel").
+
+Legend: M rows (tokens), N columns (the layer's outputs), P programs along the rows.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, warps, programs in all): one fixed config, the fastest of
+# benchmarks/bench_column_sum.py's sweep over gpt-small's bias shapes on an H200
+BLOCK_M, BLOCK_N, NUM_WARPS, PROGRAMS = 32, 128, 8, 512
+FINISH_BLOCK_N = 128  # columns per program of the partials' sum
+
+
+@triton.jit
+def _column_sum_kernel(x_ptr, part_ptr, M, N, stride_x, ROWS_PER_PROGRAM,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # summed over its rows once, at the end
+    first = pid_m * ROWS_PER_PROGRAM
+    for start in range(first, tl.minimum(first + ROWS_PER_PROGRAM, M), BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+    tl.store(part_ptr + pid_m * N + cols, tl.sum(acc, 0), mask=col_ok)
+
+
+@triton.jit
+def _column_sum_finish_kernel(part_ptr, out_ptr, P, N, BLOCK_N: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in range(0, P):  # in order: the same bits every time
+        acc += tl.load(part_ptr + p * N + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def column_sum_triton(x_MN: torch.Tensor, out_dtype: torch.dtype | None = None, *, block_m: int = BLOCK_M,
+                      block_n: int = BLOCK_N, num_warps: int = NUM_WARPS, programs: int = PROGRAMS) -> torch.Tensor:
+    """Σ_m x_MN[m, :] as [N] in ``out_dtype`` (default x's), accumulated in fp32. ``block_m``,
+    ``block_n`` (powers of two), ``num_warps`` and ``programs`` (at most this many in all) for the
+    benchmark's sweep."""
+    if x_MN.dim() != 2:
+        raise ValueError(f"column_sum: x_MN must be 2-D [M, N], got {tuple(x_MN.shape)}")
+    if x_MN.stride(-1) != 1:
+        x_MN = x_MN.contiguous()
+    M, N = x_MN.shape
+    out_dtype = out_dtype or x_MN.dtype
+    if M == 0 or N == 0:
+        return torch.zeros(N, dtype=out_dtype, device=x_MN.device)
+    col_blocks = triton.cdiv(N, block_n)
+    rows_per_program = triton.cdiv(triton.cdiv(M, max(1, programs // col_blocks)), block_m) * block_m
+    P = triton.cdiv(M, rows_per_program)
+    part_PN = torch.empty((P, N), dtype=torch.float32, device=x_MN.device)
+    _column_sum_kernel[(col_blocks, P)](x_MN, part_PN, M, N, x_MN.stride(0), rows_per_program,
+                                        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    out_N = torch.empty(N, dtype=out_dtype, device=x_MN.device)
+    _column_sum_finish_kernel[(triton.cdiv(N, FINISH_BLOCK_N),)](part_PN, out_N, P, N, BLOCK_N=FINISH_BLOCK_N,
+                                                                  num_warps=4)
+    return out_N
+
+
+def column_sum_reference(x_MN: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The plain-PyTorch sum the kernel computes (fp32 accumulation, one rounding)."""
+    return x_MN.float().sum(0).to(out_dtype or x_MN.dtype)
