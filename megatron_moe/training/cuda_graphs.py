@@ -111,7 +111,11 @@ def resolve_mode(mode: str, *, device: torch.device, layers: list, ep_size: int,
         return mode, ""
     if device.type != "cuda" and not simulated:
         return "none", f"the run is on the {device.type}"
-    if world_size > 1 and not (ep_size > 1 and a2a_splits in _GRAPH_SPLITS):
+    if ep_size > 1 and a2a_splits not in _GRAPH_SPLITS:
+        return "none", (f"model.moe.a2a_splits={a2a_splits} reads the exchange's split sizes on the host in every "
+                        "MoE layer; model.moe.a2a_splits=symmetric (each expert-parallel group on one node) or "
+                        "padded lets a CUDA graph hold the step")
+    if world_size > 1 and ep_size == 1:
         return "none", (f"{world_size} processes: eager steps overlap the gradient reduction with the "
                         "backward")
     try:

@@ -320,7 +320,9 @@ def test_auto_graphs_one_process_or_padded_ep_on_a_gpu_where_the_model_allows_el
     off = [
         (dict(device=cpu, layers=ok, ep_size=1, world_size=1), "the run is on the cpu"),
         (dict(device=cuda, layers=ok, ep_size=1, world_size=2), "2 processes: eager steps overlap the gradient"),
-        (dict(device=cuda, layers=ok, ep_size=2, world_size=2), "2 processes"),
+        (dict(device=cuda, layers=ok, ep_size=2, world_size=2),  # the exchange's sizes read on the host
+         "model.moe.a2a_splits=host reads the exchange's split sizes on the host in every MoE layer; "
+         "model.moe.a2a_splits=symmetric (each expert-parallel group on one node) or padded"),
         (dict(device=cuda, layers=[_layer(mlp_impl="reference")], ep_size=1, world_size=1),
          "model.moe.mlp_impl=reference synchronises with the host in every forward, which a CUDA graph cannot hold"),
         (dict(device=cuda, layers=[SimpleNamespace(cfg=_layer().cfg, check_finite=True)], ep_size=1, world_size=1),
