@@ -32,6 +32,7 @@ from bench_adamw import COPY_BYTES, copy_ms  # noqa: E402
 SHAPES = [(32768, 768), (32768, 2304), (32768, 3072)]
 REPS = 50
 GRAPH_CALLS = 20  # calls per CUDA-graph replay: the GPU's time, not the host's launch (tens of µs)
+SWEEP = dict(block_m=(16, 32, 64), block_n=(128, 256, 512), num_warps=(4, 8), programs=(512, 1024, 2048))
 
 
 def graph_ms(fn) -> float:
@@ -52,7 +53,6 @@ def graph_ms(fn) -> float:
         torch.cuda.synchronize()
         ts.append(a.elapsed_time(b) / GRAPH_CALLS)
     return sorted(ts)[len(ts) // 2]
-SWEEP = dict(block_m=(16, 32, 64), block_n=(128, 256, 512), num_warps=(4, 8), programs=(512, 1024, 2048))
 
 
 def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
