@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not triton_kernels_run(),
 CASES = [  # rows x columns
     (1, 8),      # one row
     (0, 24),     # no rows: zeros
-    (70, 300),   # rows past the row tile, columns past the column tile (256), neither a power of two
+    (70, 300),   # rows past the row tile, columns past the column tile (128), neither a power of two
     (600, 40),   # more rows than one program's share (programs=4 below): several per program
 ]
 
