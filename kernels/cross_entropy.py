@@ -34,17 +34,17 @@ def _cross_entropy_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, stats_ptr, V, st
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_t
     offs = tl.arange(0, BLOCK_V)
-    # running max and Σ exp(x - max) per lane; the max starts finite (-3e38), so no lane ever
-    # computes -inf - (-inf), and masked lanes (x = -inf) add exp(-inf) = 0
-    m_V = tl.full((BLOCK_V,), -3.0e38, tl.float32)
-    s_V = tl.zeros((BLOCK_V,), tl.float32)
+    # the row's max and Σ exp(x - max), a block at a time: the block's max first, then one
+    # exponential per element (the sum rescaled once per block; a running max per lane costs two,
+    # and the exponentials, not the memory, then set the pace). The max starts finite (-3e38), so
+    # exp(m - m_new) never meets -inf - (-inf); masked lanes (x = -inf) add exp(-inf) = 0
+    m = tl.full((), -3.0e38, tl.float32)
+    s = tl.zeros((), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         x = tl.load(base + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m_V, x)
-        s_V = s_V * tl.exp(m_V - m_new) + tl.exp(x - m_new)
-        m_V = m_new
-    m = tl.max(m_V, axis=0)
-    s = tl.sum(s_V * tl.exp(m_V - m), axis=0)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
     log_s = tl.log(s)
     label = tl.load(labels_ptr + row).to(tl.int64)
     x_label = tl.load(base + label).to(tl.float32)

@@ -22,6 +22,9 @@
 |                         | the backward's own pass)                  |                                               |
 | MEGATRON_MOE_BIAS_GRAD  | a linear layer's bias gradient is summed  | 0: torch's reduction (``dy.sum(0)``)          |
 |                         | by kernels/column_sum.py (ops/linear.py)  |                                               |
+| MEGATRON_MOE_FUSED_GELU | a dense MLP's GELU backward and its first | 0: torch's GELU backward, then the bias sum   |
+|                         | layer's bias gradient in one pass         | (MEGATRON_MOE_BIAS_GRAD's)                    |
+|                         | (ops/linear.py's ``linear_gelu``)         |                                               |
 | MEGATRON_MOE_COMPILE_WORKERS | a new tuning first compiles its     | N: that many processes; 0 or 1: none (the     |
 |                         | candidates in forked processes, one per   | autotuner compiles them one by one)           |
 |                         | CPU of this rank, at most 8 (tuning.py)   |                                               |
@@ -34,7 +37,8 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``, ``bias_grad_kernel``) or at each new tuning
+each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``, ``bias_grad_kernel``,
+``fused_gelu``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
@@ -95,6 +99,12 @@ def fused_router() -> bool:
 def fused_norm() -> bool:
     """MEGATRON_MOE_FUSED_NORM != "0": LayerNorm through kernels/layer_norm.py."""
     return os.environ.get("MEGATRON_MOE_FUSED_NORM", "1") != "0"
+
+
+def fused_gelu() -> bool:
+    """MEGATRON_MOE_FUSED_GELU != "0": a dense MLP's GELU backward and its first layer's bias
+    gradient in one pass (megatron_moe/ops/linear.py's ``linear_gelu``)."""
+    return os.environ.get("MEGATRON_MOE_FUSED_GELU", "1") != "0"
 
 
 def bias_grad_kernel() -> bool:

@@ -77,7 +77,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe.layer import DroplessMoE
-from megatron_moe.ops.linear import linear
+from megatron_moe.ops.linear import linear, linear_gelu
 from megatron_moe.parallel import init_parallel_groups
 
 from .attention import SDPAttention
@@ -147,9 +147,15 @@ class ColumnLinear(ColumnParallelLinear):
         return (self.skip_bias_add and not self.config.bias_activation_fusion
                 and _bias_in_gemm(self, self.output_size_per_partition, self.output_size))
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None, then_gelu: bool = False):
+        """``then_gelu`` (DenseMLP, only where :meth:`bias_in_gemm`): return gelu_tanh of the output,
+        the layer and the GELU as one op (ops/linear.py's ``linear_gelu``)."""
         if weight is None and self.bias_in_gemm():
+            if then_gelu:
+                return linear_gelu(input_, self.weight, self.bias), None
             return linear(input_, self.weight, self.bias), None
+        if then_gelu:
+            raise ValueError("ColumnLinear(then_gelu=True) needs the bias inside the GEMM (bias_in_gemm())")
         return super().forward(input_, weight, runtime_gather_output)
 
     def _forward_impl(self, input, weight, bias=None, **kwargs):
@@ -185,6 +191,21 @@ class RowLinear(RowParallelLinear):
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU, tanh approximation (GPT-2 / the paper; also what our experts use)."""
     return F.gelu(x, approximate="tanh")
+
+
+class DenseMLP(MLP):
+    """megatron-core's MLP; where its first layer puts the bias inside the GEMM (ColumnLinear) and
+    the activation is :func:`gelu_tanh` (not gated, no per-token scale), that layer and the GELU
+    run as one op (megatron_moe/ops/linear.py's ``linear_gelu``: the GELU's backward and the
+    first layer's bias gradient in one pass). Same parameters, same math."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        fc1 = self.linear_fc1
+        if (per_token_scale is None and self.activation_func is gelu_tanh and not self.config.gated_linear_unit
+                and isinstance(fc1, ColumnLinear) and fc1.bias_in_gemm()):
+            act, _ = fc1(hidden_states, then_gelu=True)
+            return self.linear_fc2(act)
+        return super().forward(hidden_states, per_token_scale, **kwargs)
 
 
 def _init_device(config: TransformerConfig) -> torch.device:
@@ -241,7 +262,7 @@ class DenseOrMoEMLP(MegatronModule):
         moe_cfg = self.model_cfg.moe_config(layer_number)
         self.layer_number = layer_number
         if moe_cfg is None:
-            self.dense = MLP(
+            self.dense = DenseMLP(
                 self.config,
                 MLPSubmodules(linear_fc1=ColumnLinear, linear_fc2=RowLinear),
                 ffn_hidden_size=self.model_cfg.ffn_hidden_size,

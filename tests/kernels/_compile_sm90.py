@@ -43,7 +43,7 @@ def compile_only() -> collections.Counter:
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled[self.fn.__name__] += 1
-        for flag in ("W_TMA", "TMA_ADD"):  # the tensor-memory-unit variants, counted apart
+        for flag in ("W_TMA", "TMA_ADD", "DGELU"):  # the tensor-memory-unit variants and the GELU's pass, apart
             if kwargs.get(flag):
                 compiled[f"{self.fn.__name__} {flag}"] += 1
         return kernel
@@ -168,7 +168,7 @@ def scenarios():
     yield "LayerNorm", norm
 
     def bias_grad():  # megatron_moe/ops/linear.py: the bias gradient's column sum, bf16 and fp32
-        from megatron_moe.ops.linear import linear
+        from megatron_moe.ops.linear import linear, linear_gelu
         os.environ["MEGATRON_MOE_BIAS_GRAD"] = "1"
         try:
             for dtype in (bf16, torch.float32):
@@ -176,9 +176,10 @@ def scenarios():
                 w = torch.randn(300, 96, dtype=dtype, requires_grad=True)
                 b = torch.zeros(300, dtype=dtype, requires_grad=True)
                 linear(x, w, b).sum().backward()
+                linear_gelu(x, w, b).sum().backward()  # the GELU's backward with the sum
         finally:
             del os.environ["MEGATRON_MOE_BIAS_GRAD"]
-    yield "linear's bias gradient", bias_grad
+    yield "linear's bias gradient, alone and after a GELU", bias_grad
 
 
 def main() -> int:

@@ -356,6 +356,25 @@ def test_biases_added_inside_the_gemms_change_no_result(ad, monkeypatch, moe):
         h.remove()
 
 
+def test_fused_gelu_in_the_dense_mlp_changes_no_result(ad, monkeypatch):
+    """A dense MLP's first layer and GELU as one op (MEGATRON_MOE_FUSED_GELU, the default): the
+    loss and every gradient equal the switch-off path's; the fused backward ran once per dense
+    layer with the switch on and never with it off."""
+    import megatron_moe.ops.linear as ops_linear
+
+    cfg = tiny(moe=None, seq_length=8)
+    model = ad.build_gpt_model(cfg)
+    calls = []
+    real = ops_linear.dgelu_column_sum_triton
+    monkeypatch.setattr(ops_linear, "dgelu_column_sum_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def check(on):
+        assert len(calls) == (cfg.num_layers if on == "1" else 0), (on, calls)
+        calls.clear()
+
+    _switch_changes_no_result(model, batch(cfg), monkeypatch, "MEGATRON_MOE_FUSED_GELU", check)
+
+
 def test_a_bias_inside_the_gemm_is_the_float64_product_plus_bias(ad, monkeypatch):
     """One RowLinear and one ColumnLinear that hand their bias back, against x @ W^T + b in
     float64 (output and the gradients of x, W and b); not taken where megatron-core's own path is
