@@ -7,8 +7,10 @@ sweep of the backward's launch shape (programs, warps, rows per loop iteration).
 Shapes: [tokens, hidden] of a micro-batch of 32 x 1024 tokens at hidden 512 (xs), 768 (small)
 and 1024 (medium), and 16 x 1024 at 2048. Bytes: the forward reads x and writes y; the backward
 reads x and dy and writes dx (the fp32 mean, rstd and partial sums are left out: a few MB);
-TB/s is those bytes over the median GPU time. A device-to-device copy of a 2 GB tensor is timed
-beside them as the reachable bandwidth. Every swept backward is checked against the default
+TB/s is those bytes over the median GPU time, from replays of a CUDA graph of 20 calls
+(benchmarks/bench_column_sum.py's ``graph_ms``: timed eagerly, these tens of microseconds would
+measure the host's launch). A device-to-device copy of a 2 GB tensor is timed beside them as the
+reachable bandwidth. Every swept backward is checked against the default
 launch's dx, dweight and dbias first (a launch shape that changes the result is an error).
 Prints a table per shape, the fastest backward last.
 """
@@ -24,13 +26,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_moe.kernels.layer_norm import layer_norm_bwd_triton, layer_norm_fwd_triton  # noqa: E402
+from megatron_moe.kernels.layer_norm import (_blocks, bwd_launch, layer_norm_bwd_triton,  # noqa: E402
+                                             layer_norm_fwd_triton)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_adamw import COPY_BYTES, copy_ms, gpu_ms  # noqa: E402
+from bench_adamw import COPY_BYTES, copy_ms  # noqa: E402
+from bench_column_sum import graph_ms  # noqa: E402
 
 SHAPES = [(32768, 512), (32768, 768), (32768, 1024), (16384, 2048)]
-REPS = 50  # timed calls per measurement (median)
 
 
 def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
@@ -43,27 +46,27 @@ def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
     rows = {"shape": [M, N]}
 
     y, mean, rstd = layer_norm_fwd_triton(x, w, b, 1e-5)
-    rows["fwd_ms"] = gpu_ms(lambda: layer_norm_fwd_triton(x, w, b, 1e-5), REPS)
-    xt = x.clone().requires_grad_(True)
-    wt, bt = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    rows["torch_fwd_ms"] = gpu_ms(lambda: F.layer_norm(x, (N,), w, b, 1e-5), REPS)
-    yt = F.layer_norm(xt, (N,), wt, bt, 1e-5)
-    rows["torch_bwd_ms"] = gpu_ms(lambda: torch.autograd.grad(yt, (xt, wt, bt), dy, retain_graph=True), REPS)
+    rows["fwd_ms"] = graph_ms(lambda: layer_norm_fwd_triton(x, w, b, 1e-5))
+    rows["torch_fwd_ms"] = graph_ms(lambda: F.layer_norm(x, (N,), w, b, 1e-5))
+    _, mean_t, rstd_t = torch.ops.aten.native_layer_norm(x, (N,), w, b, 1e-5)
+    rows["torch_bwd_ms"] = graph_ms(lambda: torch.ops.aten.native_layer_norm_backward(
+        dy, x, (N,), mean_t, rstd_t, w, b, [True, True, True]))
 
     ref = layer_norm_bwd_triton(dy, x, w, mean, rstd)
     sweep = []
-    for programs, warps, block_m in itertools.product((256, 512, 1024, 2048, 4096), (4, 8), (None, 16, 32)):
-        if block_m is not None and block_m * N > 16384:  # at most 16K values per tile
+    rows = sorted({_blocks(N)[0], 16, 32})  # rows per loop iteration: _blocks's, 16, 32
+    for programs, warps, block_m in itertools.product((256, 512, 1024, 2048, 4096), (4, 8), rows):
+        if block_m * N > 16384 and block_m != _blocks(N)[0]:  # at most 16K values per tile
             continue
         got = layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=warps, block_m=block_m)
         # the same arithmetic in another order (tile shape, partials): rounding only
         for a, r in zip(got, ref):
             torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-2)
-        ms = gpu_ms(lambda: layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=warps,
-                                                  block_m=block_m), REPS)
+        ms = graph_ms(lambda: layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=warps,
+                                                    block_m=block_m))
         sweep.append({"programs": programs, "num_warps": warps, "block_m": block_m, "bwd_ms": ms,
                       "tb_s": 3 * io / ms / 1e9})
-    default = next(s for s in sweep if (s["programs"], s["num_warps"], s["block_m"]) == (512, 4, None))
+    default = next(s for s in sweep if (s["programs"], s["num_warps"], s["block_m"]) == bwd_launch(N))
     rows["bwd_ms"] = default["bwd_ms"]
     rows["best_bwd"] = min(sweep, key=lambda s: s["bwd_ms"])
     rows["sweep"] = sweep

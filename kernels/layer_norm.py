@@ -29,6 +29,19 @@ def _blocks(N: int) -> tuple[int, int]:
     return max(1, min(64, 4096 // block_n)), block_n
 
 
+def bwd_launch(N: int) -> tuple[int, int, int]:
+    """The backward's (programs, warps, rows per loop iteration) at hidden N, from
+    benchmarks/bench_layer_norm.py's sweep on an H200 (timed from CUDA-graph replays) and the
+    training step: 256 programs at N <= 512, 256 programs of 8 warps at N >= 2048, else 512 of 4;
+    rows per iteration _blocks's."""
+    rows = _blocks(N)[0]
+    if N <= 512:
+        return 256, 4, rows
+    if N >= 2048:
+        return 256, 8, rows
+    return 512, 4, rows
+
+
 @triton.jit
 def _ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -107,18 +120,19 @@ def layer_norm_fwd_triton(x: torch.Tensor, weight_N: torch.Tensor, bias_N: torch
 
 
 def layer_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight_N: torch.Tensor, mean_M: torch.Tensor,
-                          rstd_M: torch.Tensor, programs: int = 512, num_warps: int = 4,
+                          rstd_M: torch.Tensor, programs: int | None = None, num_warps: int | None = None,
                           block_m: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx like x, dweight_N, dbias_N in the weight's dtype); ``programs``: at most this many
     programs, each over a contiguous range of rows (the partial sums' count); ``num_warps`` and
-    ``block_m`` (rows per loop iteration, a power of two; default: _blocks's) for
-    benchmarks/bench_layer_norm.py's sweep."""
+    ``block_m`` (rows per loop iteration, a power of two); each unset one from :func:`bwd_launch`
+    (benchmarks/bench_layer_norm.py sweeps them)."""
     N = x.shape[-1]
+    launch = bwd_launch(N)
+    programs, num_warps, block_m = programs or launch[0], num_warps or launch[1], block_m or launch[2]
     x_MN, dy_MN = _rows(x), _rows(dy)
     M = x_MN.shape[0]
     dx_MN = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    default_m, block_n = _blocks(N)
-    block_m = block_m or default_m
+    block_n = _blocks(N)[1]
     rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), programs), block_m) * block_m
     P = triton.cdiv(max(M, 1), rows_per_program)
     dw_part_PN = torch.empty((P, N), dtype=torch.float32, device=x.device)
