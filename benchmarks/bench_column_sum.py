@@ -1,8 +1,8 @@
 """The bias gradient's column sum alone on the GPU: kernels/column_sum.py against torch's
-``dy.sum(0)`` (and, with --sweep, a sweep of the kernel's launch shape: rows per tile, columns per
-tile, warps, programs; the GELU's one pass likewise); then a dense MLP's GELU backward with fc1's bias gradient: torch's
+``dy.sum(0)``; then a dense MLP's GELU backward with fc1's bias gradient: torch's
 ``gelu_backward`` then a sum (torch's or ours) against our one pass (``dgelu_column_sum_triton``),
-and torch's GELU forward for its bandwidth.
+and torch's GELU forward for its bandwidth. With --sweep, every launch shape of SWEEP (rows per
+tile, columns per tile, warps, programs) for the sums, the one pass, or both.
 
     python benchmarks/bench_column_sum.py                          # gpt-small's shapes, bf16
     python benchmarks/bench_column_sum.py --sweep --out bench_column_sum.json
@@ -12,10 +12,9 @@ Shapes: [tokens, outputs] of a micro-batch of 32 x 1024 tokens for gpt-small's f
 (hidden 768: the attention projection and fc2 768, QKV 2304, fc1 3072). Bytes: one read of dy
 (the fp32 partials are left out: under 1 MB); the GELU rows count each [M, N] tensor read or
 written; TB/s is that over the median GPU time, from replays of a CUDA graph of 20 calls (as the
-trainer runs them). A
-device-to-device copy of a 2 GB tensor is timed beside them as the reachable bandwidth. Every
-swept launch is checked against torch's fp32 sum first. Prints a table per shape, the default
-launch and the fastest last.
+trainer runs them). A device-to-device copy of a 2 GB tensor is timed beside them as the
+reachable bandwidth. Every timed launch is checked against torch's result first. Prints a table
+per shape, the default launch and the fastest last.
 """
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ reads x and dy and writes dx (the fp32 mean, rstd and partial sums are left out:
 TB/s is those bytes over the median GPU time, from replays of a CUDA graph of 20 calls
 (benchmarks/bench_column_sum.py's ``graph_ms``: timed eagerly, these tens of microseconds would
 measure the host's launch). A device-to-device copy of a 2 GB tensor is timed beside them as the
-reachable bandwidth. Every swept backward is checked against the default
-launch's dx, dweight and dbias first (a launch shape that changes the result is an error).
-Prints a table per shape, the fastest backward last.
+reachable bandwidth. Every swept backward is checked against the default launch's dx, dweight
+and dbias first (a launch shape that changes the result is an error). Prints a table per shape,
+the fastest backward last.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def bench_shape(M: int, N: int, dtype=torch.bfloat16) -> dict:
 
     ref = layer_norm_bwd_triton(dy, x, w, mean, rstd)
     sweep = []
-    rows = sorted({_blocks(N)[0], 16, 32})  # rows per loop iteration: _blocks's, 16, 32
-    for programs, warps, block_m in itertools.product((256, 512, 1024, 2048, 4096), (4, 8), rows):
+    block_ms = sorted({_blocks(N)[0], 16, 32})  # rows per loop iteration: _blocks's, 16, 32
+    for programs, warps, block_m in itertools.product((256, 512, 1024, 2048, 4096), (4, 8), block_ms):
         if block_m * N > 16384 and block_m != _blocks(N)[0]:  # at most 16K values per tile
             continue
         got = layer_norm_bwd_triton(dy, x, w, mean, rstd, programs=programs, num_warps=warps, block_m=block_m)
