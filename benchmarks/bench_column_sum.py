@@ -47,19 +47,25 @@ def graph_ms(fn) -> float:
     return gpu_ms(replay, REPS // 5) / GRAPH_CALLS
 
 
+def _launches(default: dict, sweep: bool):
+    """(launch kwargs, name) of every launch of SWEEP, or of ``default`` alone; the default's name
+    says so."""
+    for combo in itertools.product(*SWEEP.values()) if sweep else [tuple(default.values())]:
+        kw = dict(zip(SWEEP, combo))
+        yield kw, " ".join(f"{k}={v}" for k, v in kw.items()) + (" (default)" if kw == default else "")
+
+
 def bench_shape(M: int, N: int, dtype=torch.bfloat16, sweep: bool = False) -> dict:
     dy = torch.randn(M, N, device="cuda", dtype=dtype)
     want = dy.float().sum(0)
     gb = M * N * dy.element_size() / 1e9
     rows = {"torch dy.sum(0)": graph_ms(lambda: dy.sum(0))}
     default = dict(block_m=C.BLOCK_M, block_n=C.BLOCK_N, num_warps=C.NUM_WARPS, programs=C.PROGRAMS)
-    for combo in itertools.product(*SWEEP.values()) if sweep else [tuple(default.values())]:
-        kw = dict(zip(SWEEP, combo))
+    for kw, name in _launches(default, sweep):
         got = C.column_sum_triton(dy, torch.float32, **kw)
         err = ((got - want).abs().max() / want.abs().max()).item()
         if err > 1e-5:
             raise AssertionError(f"column_sum {kw} differs from torch's fp32 sum by {err:.2e}")
-        name = " ".join(f"{k}={v}" for k, v in kw.items()) + (" (default)" if kw == default else "")
         rows[name] = graph_ms(lambda kw=kw: C.column_sum_triton(dy, **kw))
     return {"M": M, "N": N, "GB": gb, "ms": rows}
 
@@ -83,16 +89,13 @@ def bench_gelu(M: int, N: int, dtype=torch.bfloat16, sweep: bool = False) -> dic
     }
     default = dict(block_m=C.DGELU_BLOCK_M, block_n=C.DGELU_BLOCK_N, num_warps=C.DGELU_NUM_WARPS,
                    programs=C.DGELU_PROGRAMS)
-    for combo in itertools.product(*SWEEP.values()) if sweep else [tuple(default.values())]:
-        kw = dict(zip(SWEEP, combo))
+    for kw, name in _launches(default, sweep):
         dh, db = C.dgelu_column_sum_triton(h, dact, **kw)
         err_dh = ((dh.float() - dh_want.float()).abs().max() / dh_want.float().abs().max()).item()
         err_db = ((db.float() - db_want).abs().max() / db_want.abs().max()).item()
         if err_dh > 1e-2 or err_db > 1e-2:
             raise AssertionError(f"dgelu_column_sum {kw} differs from torch's: dh {err_dh:.2e}, db {err_db:.2e}")
-        name = "dgelu_column_sum " + " ".join(f"{k}={v}" for k, v in kw.items()) + (
-            " (default)" if kw == default else "")
-        rows[name] = (3 * mn, lambda kw=kw: C.dgelu_column_sum_triton(h, dact, **kw))
+        rows["dgelu_column_sum " + name] = (3 * mn, lambda kw=kw: C.dgelu_column_sum_triton(h, dact, **kw))
     return {"M": M, "N": N, "rows": {k: {"GB": gb, "ms": graph_ms(fn)} for k, (gb, fn) in rows.items()}}
 
 
