@@ -1,13 +1,15 @@
 """Layer benchmark: forward + backward of one MoE layer in bf16 on a GPU.
 
-    python benchmarks/bench_layer.py                       # all configs, the default providers
+    python benchmarks/bench_layer.py                       # the GELU configs, the default providers
+    python benchmarks/bench_layer.py --configs olmoe,qwen3-30b-a3b,sonic-1536,sonic-4096,mixtral \
+        --providers dense,plain_grouped_mm,triton_grouped,torch_grouped_mm --timing eager,graph  # SwiGLU
     python benchmarks/bench_layer.py --configs paper-moe-m --providers dense,triton_grouped
     python benchmarks/bench_layer.py --out benchmarks/results/h100.json
     python benchmarks/bench_layer.py --timing eager,graph  # also replays of a CUDA graph of each step
 
 Providers:
-  dense             a dense MLP of the same FLOPs (ffn = ffn * top_k), no router
-  plain_grouped_mm  the plain PyTorch baseline: sort -> torch._grouped_mm -> gelu ->
+  dense             a dense MLP of the same FLOPs (ffn = ffn * top_k, the config's activation), no router
+  plain_grouped_mm  the plain PyTorch baseline: sort -> torch._grouped_mm -> activation ->
                     torch._grouped_mm -> unsort (the same router)
   triton_grouped, torch_grouped_mm, blocksparse, capacity (capacity_factor 1):
                     DroplessMoE with that mlp_impl
@@ -18,7 +20,8 @@ The old names grouped, grouped_mm and grouped_recompute are still accepted (with
 
 Every MoE provider runs the whole layer (router, metadata, experts, combine). TFLOP/s counts
 useful expert FLOPs only, 12 * tokens * top_k * hidden * ffn (three GEMMs of 2*T*K*H*F each for
-the two matmuls, forward + backward), the same for every provider. Median of do_bench; peak
+the two matmuls, forward + backward; 18 * ... for SwiGLU, whose up projection is 2F wide), the
+same for every provider. Median of do_bench; peak
 memory is the allocator's high-water mark during one (eager) step, less the parameters and inputs.
 
 --timing graph: each provider's forward + backward is captured once in a CUDA graph and the
@@ -37,14 +40,22 @@ import platform
 import sys
 
 import torch
-import torch.nn.functional as F
 
-CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k)
-    "paper-moe-m": (16384, 1024, 4096, 64, 1),
-    "fine-64e-top8": (8192, 2048, 1024, 64, 8),
-    "mixtral-ish": (8192, 4096, 14336, 8, 2),
-    "dmoe-small": (32768, 768, 3072, 64, 1),  # configs/dmoe-small.yaml at micro-batch 32 (training)
+CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k, activation)
+    "paper-moe-m": (16384, 1024, 4096, 64, 1, "gelu"),
+    "fine-64e-top8": (8192, 2048, 1024, 64, 8, "gelu"),
+    "mixtral-ish": (8192, 4096, 14336, 8, 2, "gelu"),
+    "dmoe-small": (32768, 768, 3072, 64, 1, "gelu"),  # configs/dmoe-small.yaml at micro-batch 32 (training)
+    # fine-grained SwiGLU (issue #35): OLMoE's and Qwen3-30B-A3B's expert shapes, SonicMoE's two
+    # benchmark shapes (its README's 32768 tokens), Mixtral's
+    "olmoe": (16384, 2048, 1024, 64, 8, "swiglu"),
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8, "swiglu"),
+    "sonic-1536": (32768, 1536, 256, 128, 8, "swiglu"),
+    "sonic-4096": (32768, 4096, 1024, 64, 4, "swiglu"),
+    "mixtral": (8192, 4096, 14336, 8, 2, "swiglu"),
 }
+DEFAULT_CONFIGS = ["paper-moe-m", "fine-64e-top8", "mixtral-ish", "dmoe-small"]
+"""The configs run by default (the GELU ones); name the others with --configs."""
 PROVIDERS = ["dense", "plain_grouped_mm", "blocksparse", "triton_grouped", "torch_grouped_mm", "capacity"]
 """The providers run by default; triton_grouped_recompute runs when asked for."""
 ALL_PROVIDERS = PROVIDERS + ["triton_grouped_recompute"]
@@ -66,14 +77,25 @@ def canonical_providers(names: str) -> list[str]:
     return out
 
 
+def flops_of(tokens, hidden, ffn, top_k, activation) -> int:
+    """Useful expert FLOPs of one forward + backward: three GEMMs per matmul (forward, input and
+    weight gradients) of 2 * tokens * top_k * hidden * width each; the up projection is 2F wide
+    for SwiGLU."""
+    up = 2 * ffn if activation == "swiglu" else ffn
+    return 6 * tokens * top_k * hidden * (up + ffn)
+
+
 class DenseMLP(torch.nn.Module):
-    def __init__(self, hidden, ffn):
+    def __init__(self, hidden, ffn, activation="gelu"):
         super().__init__()
-        self.w1 = torch.nn.Parameter(torch.randn(hidden, ffn) * 0.02)
+        self.activation = activation
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, 2 * ffn if activation == "swiglu" else ffn) * 0.02)
         self.w2 = torch.nn.Parameter(torch.randn(ffn, hidden) * 0.02)
 
     def forward(self, x):
-        return F.gelu(x @ self.w1, approximate="tanh") @ self.w2
+        from megatron_moe.kernels.activation import activate
+
+        return activate(x @ self.w1, self.activation) @ self.w2
 
 
 class PlainGroupedMMMoE(torch.nn.Module):
@@ -85,6 +107,8 @@ class PlainGroupedMMMoE(torch.nn.Module):
         self.moe = moe
 
     def forward(self, x_TH):
+        from megatron_moe.kernels.activation import activate
+
         moe = self.moe
         r = moe.router(x_TH)
         T, K = r.expert_ids_TK.shape
@@ -95,21 +119,21 @@ class PlainGroupedMMMoE(torch.nn.Module):
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         x_NH = x_TH[order_N // K]
         h = torch._grouped_mm(x_NH, moe.experts.w1, offs=offs_E)
-        y_NH = torch._grouped_mm(F.gelu(h, approximate="tanh"), moe.experts.w2, offs=offs_E)
+        y_NH = torch._grouped_mm(activate(h, moe.cfg.activation), moe.experts.w2, offs=offs_E)
         y_NH = y_NH * r.weights_TK.reshape(-1)[order_N, None].to(y_NH.dtype)
         out = torch.empty_like(y_NH)
         out[order_N] = y_NH
         return out.view(T, K, -1).sum(1)
 
 
-def build(provider, tokens, hidden, ffn, experts, top_k, device):
+def build(provider, tokens, hidden, ffn, experts, top_k, activation, device):
     from megatron_moe import DroplessMoE, MoEConfig
 
     if provider == "dense":
-        return DenseMLP(hidden, ffn * top_k).to(device, torch.bfloat16)
+        return DenseMLP(hidden, ffn * top_k, activation).to(device, torch.bfloat16)
     impl = "triton_grouped" if provider in ("plain_grouped_mm", "triton_grouped_recompute") else provider
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
-                    activation="gelu", mlp_impl=impl, capacity_factor=1.0, aux_loss_coeff=0.01,
+                    activation=activation, mlp_impl=impl, capacity_factor=1.0, aux_loss_coeff=0.01,
                     recompute_activation=provider == "triton_grouped_recompute")
     moe = DroplessMoE(cfg).to(device, torch.bfloat16)
     return PlainGroupedMMMoE(moe) if provider == "plain_grouped_mm" else moe
@@ -162,9 +186,9 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
     same model and inputs."""
     import triton.testing
 
-    tokens, hidden, ffn, experts, top_k = shape
+    tokens, hidden, ffn, experts, top_k, activation = shape
     step, model, x = make_step(provider, shape, device)
-    flops = 12 * tokens * top_k * hidden * ffn
+    flops = flops_of(tokens, hidden, ffn, top_k, activation)
     fns = {}
     if "graph" in timings:  # captured first, before any step on the default stream
         try:
@@ -182,7 +206,7 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
     rows = []
     for timing in timings:
         row = dict(config=None, provider=provider, timing=timing, tokens=tokens, hidden=hidden, ffn=ffn,
-                   experts=experts, top_k=top_k, peak_mem_gb=peak_gb)
+                   experts=experts, top_k=top_k, activation=activation, peak_mem_gb=peak_gb)
         fn = fns[timing]
         if isinstance(fn, Exception):
             row["error"] = f"{type(fn).__name__}: {fn}"[:300]
@@ -197,7 +221,8 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma-separated, of {', '.join(CONFIGS)} (default: {', '.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--providers", default=",".join(PROVIDERS),
                     help=f"comma-separated, of {', '.join(ALL_PROVIDERS)} (default: all but the last)")
     ap.add_argument("--warmup-ms", type=float, default=100)
@@ -221,7 +246,11 @@ def main(argv=None):
     if not set(timings) <= {"eager", "graph"}:
         sys.exit(f"--timing {args.timing!r}: expected eager, graph or eager,graph")
     rows = []
-    for name in args.configs.split(","):
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        sys.exit(f"--configs: unknown {', '.join(unknown)}: expected some of {', '.join(CONFIGS)}")
+    for name in names:
         shape = CONFIGS[name]
         for provider in providers:
             try:

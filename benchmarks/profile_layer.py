@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_layer import CONFIGS, canonical_providers, make_step  # noqa: E402
+from bench_layer import CONFIGS, DEFAULT_CONFIGS, canonical_providers, make_step  # noqa: E402
 
 
 def _bench(fn, warmup=25, rep=100):
@@ -87,12 +87,13 @@ def profile_provider(provider, shape, device, steps=5):
 
 
 def gemm_problems(shape, device, skew=0.0):
-    """The six grouped GEMMs of the gelu triton_grouped MLP with a router-like random routing; ``skew``:
+    """The six grouped GEMMs of the triton_grouped MLP with a router-like random routing; ``skew``:
     that fraction of the tokens sends its first choice to expert 0 (a collapsed router, as early
-    in training)."""
+    in training). X: the up projection's width (2F for swiglu)."""
     from megatron_moe.kernels.metadata import routing_metadata
 
-    T, H, F, E, K = shape
+    T, H, F, E, K, activation = shape
+    X = 2 * F if activation == "swiglu" else F
     torch.manual_seed(0)
     logits = torch.randn(T, E, device=device)
     logits[: int(skew * T), 0] = 1e4
@@ -105,15 +106,16 @@ def gemm_problems(shape, device, skew=0.0):
     bf = torch.bfloat16
     x = torch.randn(T, H, device=device, dtype=bf)
     dy = torch.randn(T, H, device=device, dtype=bf)
-    w1 = torch.randn(E, H, F, device=device, dtype=bf) * 0.02
+    w1 = torch.randn(E, H, X, device=device, dtype=bf) * 0.02
     w2 = torch.randn(E, F, H, device=device, dtype=bf) * 0.02
     act = torch.randn(S, F, device=device, dtype=bf)
-    pre = torch.randn(S, F, device=device, dtype=bf)
+    pre = torch.randn(S, X, device=device, dtype=bf)
     scale = torch.rand(S, device=device)
     # fp32 master gradients for the accumulating weight-gradient calls (gradient-accumulation fusion)
-    g1 = torch.zeros(E, H, F, device=device)
+    g1 = torch.zeros(E, H, X, device=device)
     g2 = torch.zeros(E, F, H, device=device)
-    return dict(T=T, H=H, F=F, E=E, K=K, S=S, off=off, tok=tok, order=order, x=x, dy=dy, w1=w1, w2=w2,
+    return dict(T=T, H=H, F=F, X=X, E=E, K=K, S=S, activation=activation, off=off, tok=tok, order=order, x=x,
+                dy=dy, w1=w1, w2=w2,
                 act=act, pre=pre, scale=scale, g1=g1, g2=g2, dys=dy[tok.long()].contiguous())
 
 
@@ -135,15 +137,16 @@ def _no_tma(fn):
 def gemm_calls(p):
     from megatron_moe.kernels import grouped as G
 
+    a = p["activation"]
     return {
-        "fwd1 x[t]@w1 +gelu*w": lambda: G.grouped_gemm(p["x"], p["w1"], p["off"], gather_S=p["tok"],
-                                                       activation="gelu", act_scale_S=p["scale"]),
+        f"fwd1 x[t]@w1 +{a}*w": lambda: G.grouped_gemm(p["x"], p["w1"], p["off"], gather_S=p["tok"],
+                                                       activation=a, act_scale_S=p["scale"]),
         "fwd2 wact@w2 ->scatter": lambda: G.grouped_gemm(p["act"], p["w2"], p["off"], scatter_S=p["order"]),
-        "bwd dy[t]@w2T +dgelu": lambda: G.grouped_gemm_dact(p["dy"], p["w2"].transpose(1, 2), p["off"], p["pre"],
-                                                             "gelu", gather_S=p["tok"], scale_S=p["scale"]),
+        f"bwd dy[t]@w2T +d{a}": lambda: G.grouped_gemm_dact(p["dy"], p["w2"].transpose(1, 2), p["off"], p["pre"],
+                                                             a, gather_S=p["tok"], scale_S=p["scale"]),
         "wgrad dw2 actT@dy[t]": lambda: G.grouped_wgrad(p["act"], p["dy"], p["off"], gather_b_S=p["tok"]),
-        "wgrad dw2 w*gelu(pre)T@dy[t]": lambda: G.grouped_wgrad(p["pre"], p["dy"], p["off"], gather_b_S=p["tok"],
-                                                               a_activation="gelu", a_scale_S=p["scale"]),
+        f"wgrad dw2 w*{a}(pre)T@dy[t]": lambda: G.grouped_wgrad(p["pre"], p["dy"], p["off"], gather_b_S=p["tok"],
+                                                               a_activation=a, a_scale_S=p["scale"]),
         "wgrad dw1 x[t]T@dpre": lambda: G.grouped_wgrad(p["x"], p["pre"], p["off"], gather_a_S=p["tok"]),
         "wgrad dw2 actT@dy[t] +=fp32": lambda: G.grouped_wgrad(p["act"], p["dy"], p["off"], gather_b_S=p["tok"],
                                                               out=p["g2"], accumulate=True),
@@ -157,23 +160,35 @@ def gemm_calls(p):
         "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
                                                        scatter_S=p["order"]),
         # ablations of the bwd GEMM: without its gather, without its epilogue
-        "abl bwd dys@w2T +dgelu": lambda: G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"],
-                                                                p["pre"], "gelu", scale_S=p["scale"]),
+        f"abl bwd dys@w2T +d{a}": lambda: G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"],
+                                                                p["pre"], a, scale_S=p["scale"]),
         "abl bwd dy[t]@w2T plain": lambda: G.grouped_gemm(p["dy"], p["w2"].transpose(1, 2), p["off"],
                                                           gather_S=p["tok"]),
     }
+
+
+def gemm_flops(p, name) -> int:
+    """FLOPs of GEMM ``name``: 2 * S * H * width, the width X of the up projection for the products
+    with w1 or its gradient (fwd1, dw1, dx), F for the others."""
+    return 2 * p["S"] * p["H"] * (p["X"] if "w1" in name or "dpre" in name else p["F"])
+
+
+def selected(name: str, only) -> bool:
+    """Whether GEMM ``name`` is one of ``only`` (prefixes; one ending in '$' names a GEMM exactly);
+    every GEMM when ``only`` is empty."""
+    return not only or any(name == o[:-1] if o.endswith("$") else name.startswith(o) for o in only)
 
 
 def gemm_rows(shape, device, skew=0.0, only=None):
     """Each GEMM of gemm_calls (those whose name starts with one of ``only``, if given), then the
     CUTLASS and dense comparisons (not with ``only``)."""
     p = gemm_problems(shape, device, skew)
-    flops = 2 * p["S"] * p["H"] * p["F"]
     from megatron_moe.kernels import grouped as G
 
     rows = []
     for name, fn in gemm_calls(p).items():
-        if only and not any(name.startswith(o) for o in only):
+        flops = gemm_flops(p, name)
+        if not selected(name, only):
             continue
         G.clear_tuning_cache()  # tune here, so best_config is this GEMM's
         fn()
@@ -203,7 +218,7 @@ def gemm_rows(shape, device, skew=0.0, only=None):
     }
     for name, fn in vendor.items():
         ms = _bench(fn)
-        rows.append(dict(gemm=name, ms=ms, tflops=flops / ms / 1e9))
+        rows.append(dict(gemm=name, ms=ms, tflops=gemm_flops(p, name) / ms / 1e9))
     for name, fn in {"gather x[t] (torch index)": lambda: p["x"][tok],
                      "fp32 add_ of a bf16 dw2": lambda: p["g2"].add_(dw2)}.items():
         ms = _bench(fn)
@@ -211,7 +226,7 @@ def gemm_rows(shape, device, skew=0.0, only=None):
     ad = torch.randn(p["S"], p["H"], device=device, dtype=torch.bfloat16)
     wd = torch.randn(p["H"], p["F"], device=device, dtype=torch.bfloat16)
     ms = _bench(lambda: ad @ wd)
-    rows.append(dict(gemm="dense torch.mm [S,H]@[H,F]", ms=ms, tflops=flops / ms / 1e9))
+    rows.append(dict(gemm="dense torch.mm [S,H]@[H,F]", ms=ms, tflops=gemm_flops(p, "dense") / ms / 1e9))
     return rows, p
 
 
@@ -225,6 +240,7 @@ SWEEP_GEMM = [  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, PREFETCH, PERSISTENT
     (128, 64, 64, 4, 4, 0, 2), (64, 128, 64, 4, 4, 1, 2),
     # an 8th entry caps the registers (maxnreg), so 2-3 programs share an SM
     (64, 128, 64, 4, 3, 0, 0, 168), (64, 128, 64, 4, 3, 0, 0, 160), (128, 128, 64, 8, 3, 1, 0, 128),
+    (128, 128, 64, 8, 3, 0, 0, 128), (128, 128, 64, 8, 2, 0, 0, 128), (64, 128, 64, 4, 2, 0, 0, 128),
 ]
 SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
     (64, 64, 64, 4, 4), (64, 64, 64, 4, 2), (64, 64, 128, 4, 2), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
@@ -232,6 +248,7 @@ SWEEP_WGRAD = [  # BLOCK_K, BLOCK_N, BLOCK_S, warps, stages
     (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 2), (128, 256, 64, 8, 2),
     (64, 128, 64, 4, 2), (128, 128, 32, 4, 3), (128, 128, 128, 4, 2), (128, 128, 128, 8, 2),
     (64, 128, 128, 4, 3), (128, 256, 128, 8, 2), (128, 64, 128, 4, 3),
+    (256, 128, 64, 8, 2), (128, 256, 64, 8, 4),
 ]
 
 
@@ -250,7 +267,6 @@ def _sweep_space(kern_is_wgrad, name):
 def sweep(p, device, only=None):
     from megatron_moe.kernels import grouped as G
 
-    flops = 2 * p["S"] * p["H"] * p["F"]
     calls = gemm_calls(p)
     out = []
     for kern in (G._grouped_gemm_kernel, G._grouped_wgrad_kernel):
@@ -258,7 +274,7 @@ def sweep(p, device, only=None):
         for name, fn in calls.items():
             if (kern is G._grouped_wgrad_kernel) != name.startswith("wgrad"):
                 continue
-            if only and not any(name.startswith(o) for o in only):
+            if not selected(name, only):
                 continue
             best = None
             want = None
@@ -280,10 +296,10 @@ def sweep(p, device, only=None):
                 err = max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
                 if not err < 1e-2:
                     print(f"  MISMATCH {name} {cfg}: rel err {err:.3g} against the first config", flush=True)
-                out.append(dict(gemm=name, cfg=cfg, ms=ms, tflops=flops / ms / 1e9, rel_err=err))
+                out.append(dict(gemm=name, cfg=cfg, ms=ms, tflops=gemm_flops(p, name) / ms / 1e9, rel_err=err))
                 if best is None or ms < best[1]:
                     best = (cfg, ms)
-            print(f"  sweep {name:<28} best {best[0]} {flops / best[1] / 1e9:6.1f} TFLOP/s", flush=True)
+            print(f"  sweep {name:<28} best {best[0]} {gemm_flops(p, name) / best[1] / 1e9:6.1f} TFLOP/s", flush=True)
         kern.configs = saved
         G.clear_tuning_cache()
     return out
@@ -365,14 +381,17 @@ def host_profile(provider, cname, shape, device, steps=50, top=25):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma-separated, of {', '.join(CONFIGS)} (bench_layer.py's)")
     ap.add_argument("--providers", default="dense,plain_grouped_mm,triton_grouped,blocksparse",
                     help="comma-separated layer benchmark providers (bench_layer.py)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-gemms", action="store_true", help="only the per-kernel profile of the providers' steps")
-    ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx)")
-    ap.add_argument("--gemms-only", default="", help="comma-separated GEMM name prefixes: time only these")
+    ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx); "
+                         "a name ending in '$' is matched exactly")
+    ap.add_argument("--gemms-only", default="",
+                    help="comma-separated GEMM name prefixes (or exact names ending in '$'): time only these")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="fraction of the tokens routed to expert 0 in the GEMM problems (0: random routing)")
     ap.add_argument("--out", default=None)

@@ -14,7 +14,8 @@
 # medians over the steps after MEASURE_FROM (default 3); 'step1 s' is the first step's time
 # (autotuning, CUDA-graph capture); 'SM MHz' the median SM clock and 'max W' the highest power
 # nvidia-smi sampled every 0.5 s while the GPU drew over 200 W (NAME.clocks.csv). Everything lands
-# in $OUT/train_ab.tgz (logs, metrics.jsonl, profile tables, clocks) and $OUT/train_ab.txt (the table).
+# in $OUT/train_ab.tgz (logs, metrics.jsonl, profile tables, the profiled step's idle gaps from
+# benchmarks/step_gaps.py, clocks) and $OUT/train_ab.txt (the table).
 set -uo pipefail
 OUT=${OUT:-$PWD/train_ab_out}; mkdir -p "$OUT"
 W=$(mktemp -d)
@@ -44,6 +45,10 @@ for spec in ${RUNS:?RUNS is empty}; do
   echo "$name exit $rc ($(grep -m1 -E '^done|Error' "$W/$name.log" | cut -c1-120))"
   cp /tmp/ab/"$name"/metrics.jsonl "$W/$name.jsonl" 2>/dev/null
   cp /tmp/ab/"$name"/profile_step*_rank0.txt "$W/$name.profile.txt" 2>/dev/null
+  # where the profiled step left the GPU idle (benchmarks/step_gaps.py)
+  for j in /tmp/ab/"$name"/profile_step*_rank0.json; do
+    [[ -e $j ]] && python3 benchmarks/step_gaps.py "$j" > "$W/$name.gaps.txt" 2>&1
+  done
 done
 python3 - "$W" "$MEASURE_FROM" "$PROFILE_STEP" <<'EOF' | tee "$W/train_ab.txt"
 import glob, json, os, statistics as st, sys

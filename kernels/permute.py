@@ -13,6 +13,7 @@ Legend (shape suffixes):
   scatter_rows  y_PH  -> y_TH   y[t] = sum_k w[t, k] * y_P[row[t*K + k]] (w = 1 when no weights
                                  are given). Each output row sums its own K rows in a fixed order:
                                  deterministic, no atomics.
+  sum_rows      y_SH  -> y_TH   y[t] = sum_k y_S[row[t*K + k]] (no weights; the row index alone)
   scatter_rows_weight_grad  (dy_TH, y_PH) -> dw_TK (fp32)
                                  dw[t, k] = sum_h dy[t, h] * y_P[row[t*K + k], h].
 
@@ -162,9 +163,8 @@ def _scatter_rows_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_h[None, :])
 
 
-def scatter_rows_triton(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
-    T, H = routing.num_tokens, y_PH.shape[1]
-    _, row_N, _ = _layout(routing, layout)
+def _scatter_rows_launch(y_PH, weights_TK, row_N, T: int, K: int, out=None):
+    H = y_PH.shape[1]
     out = torch.empty(T, H, dtype=y_PH.dtype, device=y_PH.device) if out is None else out
     if T == 0 or H == 0:
         return out
@@ -173,11 +173,16 @@ def scatter_rows_triton(y_PH, weights_TK, routing: Routing, out=None, layout="pa
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
     _scatter_rows_kernel[grid](
         y_PH, w, out, row_N,
-        T, H, routing.top_k,
+        T, H, K,
         y_PH.stride(0), y_PH.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         HAS_WEIGHTS=weights_TK is not None, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )
     return out
+
+
+def scatter_rows_triton(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
+    return _scatter_rows_launch(y_PH, weights_TK, _layout(routing, layout)[1], routing.num_tokens,
+                                routing.top_k, out)
 
 
 def scatter_rows_reference(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
@@ -205,6 +210,21 @@ def scatter_rows(y_PH, weights_TK, routing: Routing, out=None, layout="padded"):
     if use_triton(*tensors):
         return scatter_rows_triton(y_PH, weights_TK, routing, out, layout)
     return scatter_rows_reference(y_PH, weights_TK, routing, out, layout)
+
+
+def sum_rows(y_SH: torch.Tensor, row_N: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[S, H] -> [T, H] with T = len(row_N) / top_k: y[t] = sum_k y_S[row[t*K + k]], summed in fp32
+    in k order by the token's own program and rounded once to y_SH's dtype (scatter_rows without
+    weights, from the row index alone: the triton_grouped path's sum over k, its rows left in
+    expert order by the GEMM)."""
+    N = row_N.shape[0]
+    if y_SH.dim() != 2 or row_N.dim() != 1 or top_k < 1 or N % top_k:
+        raise ValueError(f"sum_rows: y_SH [S, H] and row_N [T*top_k] expected, got {tuple(y_SH.shape)}, "
+                         f"{tuple(row_N.shape)} with top_k={top_k}")
+    T = N // top_k
+    if use_triton(y_SH):
+        return _scatter_rows_launch(y_SH, None, row_N, T, top_k)
+    return y_SH[row_N.long()].float().view(T, top_k, y_SH.shape[1]).sum(1).to(y_SH.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,8 +5,10 @@
 Forward (s = sorted position, a(s) = t*K + k its assignment, t(s) its token, e its expert):
   1. pre_NF, wact_NF = grouped_gemm(x[t(s)] @ w1[e])         gather fused, activation in the
                        epilogue, written times the router weight: wact = weight(s)·act(pre)
-  2. y_NH[a(s)]  = wact[s] @ w2[e]                             scatter into assignment order
-  3. y_TH = y_NH (K = 1) or y_NH.view(T, K, H).sum(1)        deterministic, no atomics
+  2. y_SH[s] = wact[s] @ w2[e]                                 (K = 1: scattered into token order,
+                                                               y_TH[t(s)], and step 3 is skipped)
+  3. y_TH[t] = Σ_k y_SH[row(t, k)]                             one program per token sums its k
+                                                               rows (sum_rows): deterministic
 Backward (saves x, w1, w2, pre_NF, wact_NF, the sorted router weights and the routing indices:
 pre and wact are what an unfused MLP saves too, h and act(h); with recompute_activation only
 pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is freed at its last use
@@ -16,7 +18,7 @@ pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is fre
   5. dw2[e] = Σ_s wact[s]ᵀ · dy[t(s)]                          (grouped_wgrad, gather on b; or wact
                        recomputed from pre in its prologue, rounded as the forward rounded it)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
-  7. dx_NH[a(s)] = dpre[s] @ w1[e]ᵀ, then the sum over K        (grouped_gemm, scatter)
+  7. dx_SH[s] = dpre[s] @ w1[e]ᵀ, then the sum over k as in 3  (grouped_gemm; K = 1: scattered)
 With bf16 compute copies of fp32 weights (training.precision.BF16Params with gradient-accumulation
 fusion), steps 5 and 6 add their fp32 results straight into the masters' .grad in the kernels'
 epilogues and the Function returns no gradient for w1 and w2 (master_grad.fp32_grad_of).
@@ -24,8 +26,10 @@ Step 4 overwrites a saved tensor, so the backward runs once per forward (retain_
 followed by a second backward raises a clear error). On the CPU without the Triton interpreter
 the same Function runs the plain-PyTorch references.
 
-Legend: T tokens, K top_k, N = T*K assignments (in sorted order unless the name says otherwise),
-H hidden, F ffn (w1 and pre hold 2F columns for swiglu: gate half first), E experts.
+Legend: T tokens, K top_k, N = T*K assignments (in sorted order unless the name says otherwise;
+S the same rows where the sorted order matters), row(t, k) the sorted position of assignment
+t*K + k (sorted_row), H hidden, F ffn (w1 and pre hold 2F columns for swiglu: gate half first),
+E experts.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import torch
 from megatron_moe.kernels.activation import ACTIVATIONS
 from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
 from megatron_moe.kernels.metadata import Routing
+from megatron_moe.kernels.permute import sum_rows
 from .master_grad import fp32_grad_of
 
 
@@ -60,13 +65,14 @@ class TritonGroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, sorted_row_N, token_N, offsets_E1, top_k,
                 activation, recompute_activation):
-        T, H = x_TH.shape
         # router weight per sorted position (index_select takes the int32 order as it is)
         weight_N = weights_TK.reshape(-1).index_select(0, sort_order_N).float()
         pre_NF, wact_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation,
                                        act_scale_S=weight_N)
-        y_NH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
-        y_TH = y_NH if top_k == 1 else y_NH.view(T, top_k, H).sum(1)
+        if top_k == 1:  # written straight into token order
+            y_TH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
+        else:  # left in expert order; each token sums its k rows
+            y_TH = sum_rows(grouped_gemm(wact_NF, w2_EFH, offsets_E1), sorted_row_N, top_k)
         ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, None if recompute_activation else wact_NF, weight_N,
                               sort_order_N, sorted_row_N, token_N, offsets_E1)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
@@ -83,8 +89,7 @@ class TritonGroupedMLP(torch.autograd.Function):
         (x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, sorted_row_N, token_N,
          offsets_E1) = ctx.saved_tensors
         need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
-        T, H = x_TH.shape
-        K = ctx.top_k
+        T, K = x_TH.shape[0], ctx.top_k
         dx = dw1 = dw2 = dweights = None
         dy_TH = dy_TH.to(x_TH.dtype)
         ctx.pre_consumed = True
@@ -105,9 +110,13 @@ class TritonGroupedMLP(torch.autograd.Function):
         if need_w1:  # 6.
             dw1 = _weight_grad(ctx.sinks[0], w1_EHF.dtype, x_TH, dpre_NF, offsets_E1, gather_a_S=token_N)
         if need_x:  # 7.
-            dx_NH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)
-            release(dpre_NF)
-            dx = dx_NH if K == 1 else dx_NH.view(T, K, H).sum(1)
+            if K == 1:
+                dx = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)
+                release(dpre_NF)
+            else:
+                dx_SH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1)
+                release(dpre_NF)
+                dx = sum_rows(dx_SH, sorted_row_N, K)
         return dx, dw1, dw2, dweights, None, None, None, None, None, None, None
 
 

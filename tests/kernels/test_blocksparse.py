@@ -173,6 +173,37 @@ def test_gather_scatter_rows(case, layout, impl, device):
 
 
 @pytest.mark.parametrize("case", ["top1_16_experts", "topk_eq_experts", "all_to_one", "empty_experts"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_rows(case, dtype, device):
+    """sum_rows (the triton_grouped path's sum over k, rows in expert order) against a float64 loop
+    over a stable sort of the ids (no metadata used); 40 columns: not a multiple of the block.
+    bf16: summed in fp32 and rounded once, so within one bf16 rounding of the exact sum (two
+    under the interpreter, which truncates)."""
+    ids, routing, gen, (T, K, E, _) = setup_case(case, device)
+    H = 40
+    order = torch.sort(ids.reshape(-1), stable=True).indices  # sorted position -> assignment
+    row = torch.empty(T * K, dtype=torch.long)
+    row[order] = torch.arange(T * K)
+    y_S = torch.randn(T * K, H, generator=gen).to(dtype)
+    expected = torch.stack([sum(y_S[row[t * K + k]].double() for k in range(K)) for t in range(T)])
+    got = pm.sum_rows(y_S.to(device), routing.sorted_row_N, K)
+    assert got.dtype == dtype and got.shape == (T, H)
+    ulp = 0.0 if dtype == torch.float32 else 2.0 ** -8 * (2 if device.type == "cpu" else 1)
+    assert_close(got, expected, atol=1e-5, rtol=1e-5 + ulp)
+
+
+def test_sum_rows_edges(device):
+    """No tokens; one row per token (K = 1: a permutation); a clear error for sizes that do not fit."""
+    empty = pm.sum_rows(torch.zeros(0, 8, device=device), torch.zeros(0, dtype=torch.int32, device=device), 3)
+    assert empty.shape == (0, 8)
+    y = torch.randn(5, 8, device=device)
+    perm = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32, device=device)
+    assert_close(pm.sum_rows(y, perm, 1), y[perm.long()], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="sum_rows: .*top_k=2"):
+        pm.sum_rows(y, perm, 2)
+
+
+@pytest.mark.parametrize("case", ["top1_16_experts", "topk_eq_experts", "all_to_one", "empty_experts"])
 def test_permute_unpermute_tokens_autograd(case, device):
     """ops.permute (the expert-parallel dispatcher's permutations) against float64 autograd
     through a per-assignment loop over a stable sort of the ids (no metadata used): the

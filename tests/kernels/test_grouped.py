@@ -16,6 +16,7 @@ import torch
 import triton
 
 from megatron_moe.kernels import grouped as G
+from megatron_moe.kernels._common import interpret_mode
 from megatron_moe.kernels.metadata import routing_metadata
 from megatron_moe.ops.triton_grouped_mlp import triton_grouped_mlp
 
@@ -24,9 +25,10 @@ import _float64 as f64  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-# max |error| / max |reference|. bf16 under the interpreter sits near 1.6e-2 at worst: the
-# interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest), doubling the rounding.
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# max |error| / max |reference|. The interpreter truncates fp32 -> bf16 casts (the GPU rounds to
+# nearest), doubling each rounding: y's three (pre and act, each row of the down projection, the
+# sum over k) reach 2.1e-2 there, against 1.3e-2 when the sum rounds to nearest.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2 if interpret_mode() else 2e-2}
 
 
 def rel_err(got, want):
