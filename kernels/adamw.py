@@ -189,6 +189,61 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, copies, hyper):
                          f"{sorted(str(d) for d in {c.dtype for c in copies})}")
 
 
+class AdamWLaunch:
+    """One update made ready by :func:`adamw_prepare`: the checks done, the address table and the
+    hyperparameters on the device; :meth:`run` launches it (once per preparation)."""
+
+    def __init__(self, run, block_map: BlockMap | None):
+        self._run, self.block_map = run, block_map
+
+    def run(self, grad_scale: torch.Tensor | None = None) -> None:
+        """The update of every parameter, gradients times ``grad_scale`` (a float32 scalar tensor
+        on the parameters' device, read there) when given."""
+        self._run(grad_scale)
+
+
+def adamw_prepare(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                  exp_avg_sqs: list[torch.Tensor], hyper: list[tuple[float, ...]], *,
+                  copies: list[torch.Tensor] | None = None, block_map: BlockMap | None = None,
+                  block: int = BLOCK, num_warps: int = NUM_WARPS) -> AdamWLaunch:
+    """:func:`adamw_step_`'s host work without its launch: the checks, the block map (rebuilt when
+    the sizes or ``block`` change; ``.block_map`` to pass back next time), the address table and
+    the hyperparameters uploaded. Nothing changes until ``.run(grad_scale)``."""
+    _check(params, grads, exp_avgs, exp_avg_sqs, copies, hyper)
+    if not params:
+        return AdamWLaunch(lambda grad_scale: None, block_map)
+    if not use_triton(*params):
+        return AdamWLaunch(lambda grad_scale: adamw_step_reference(params, grads, exp_avgs, exp_avg_sqs, hyper,
+                                                                   copies=copies, grad_scale=grad_scale), block_map)
+    device = params[0].device
+    numels = [p.numel() for p in params]
+    if (block_map is None or block_map.numels != tuple(numels) or block_map.block != block
+            or block_map.param_B.device != device):
+        block_map = BlockMap(numels, device, block)
+    if block_map.num_blocks == 0:
+        return AdamWLaunch(lambda grad_scale: None, block_map)
+    rows = [[t.data_ptr() for t in (params[k], grads[k], exp_avgs[k], exp_avg_sqs[k])]
+            + [copies[k].data_ptr() if copies is not None else 0, numels[k]] for k in range(len(params))]
+    addrs = block_map.addresses(rows)
+    hyp = _to_device(torch.tensor(hyper, dtype=torch.float32), device)
+    meta = dict(HAS_COPY=copies is not None,
+                COPY_DTYPE=_TL_DTYPE[copies[0].dtype] if copies is not None else tl.bfloat16,
+                STATE_BF16=exp_avgs[0].dtype == torch.bfloat16, BLOCK=block, num_warps=num_warps)
+    bm = block_map
+
+    def run(grad_scale):
+        if grad_scale is not None:
+            if grad_scale.numel() != 1 or grad_scale.device != device:
+                raise ValueError(f"adamw_step_: grad_scale must be a scalar tensor on {device}, got "
+                                 f"shape {tuple(grad_scale.shape)} on {grad_scale.device}")
+            grad_scale = grad_scale.reshape(1).to(torch.float32)
+        _adamw_kernel[(bm.num_blocks,)](addrs, hyp, bm.param_B, bm.start_B,
+                                        grad_scale if grad_scale is not None else hyp,
+                                        HAS_SCALE=grad_scale is not None, **meta)
+
+    return AdamWLaunch(run, block_map)
+
+
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], hyper: list[tuple[float, ...]], *,
                 copies: list[torch.Tensor] | None = None, grad_scale: torch.Tensor | None = None,
@@ -201,36 +256,12 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     Triton on the GPU and under the interpreter, :func:`adamw_step_reference` otherwise. Returns
     the block map to pass back next step (rebuilt when the sizes or ``block`` change).
     ``block`` (elements per program) and ``num_warps``: launch shape (benchmarks/bench_adamw.py).
+    :func:`adamw_prepare` then ``.run(grad_scale)`` is the same in two halves.
     """
-    _check(params, grads, exp_avgs, exp_avg_sqs, copies, hyper)
-    if not params:
-        return block_map
-    if not use_triton(*params):
-        adamw_step_reference(params, grads, exp_avgs, exp_avg_sqs, hyper, copies=copies, grad_scale=grad_scale)
-        return block_map
-    device = params[0].device
-    numels = [p.numel() for p in params]
-    if (block_map is None or block_map.numels != tuple(numels) or block_map.block != block
-            or block_map.param_B.device != device):
-        block_map = BlockMap(numels, device, block)
-    if block_map.num_blocks == 0:
-        return block_map
-    rows = [[t.data_ptr() for t in (params[k], grads[k], exp_avgs[k], exp_avg_sqs[k])]
-            + [copies[k].data_ptr() if copies is not None else 0, numels[k]] for k in range(len(params))]
-    addrs = block_map.addresses(rows)
-    hyp = _to_device(torch.tensor(hyper, dtype=torch.float32), device)
-    if grad_scale is not None:
-        if grad_scale.numel() != 1 or grad_scale.device != device:
-            raise ValueError(f"adamw_step_: grad_scale must be a scalar tensor on {device}, got "
-                             f"shape {tuple(grad_scale.shape)} on {grad_scale.device}")
-        grad_scale = grad_scale.reshape(1).to(torch.float32)
-    _adamw_kernel[(block_map.num_blocks,)](
-        addrs, hyp, block_map.param_B, block_map.start_B,
-        grad_scale if grad_scale is not None else hyp,
-        HAS_SCALE=grad_scale is not None, HAS_COPY=copies is not None,
-        COPY_DTYPE=_TL_DTYPE[copies[0].dtype] if copies is not None else tl.bfloat16,
-        STATE_BF16=exp_avgs[0].dtype == torch.bfloat16, BLOCK=block, num_warps=num_warps)
-    return block_map
+    launch = adamw_prepare(params, grads, exp_avgs, exp_avg_sqs, hyper, copies=copies, block_map=block_map,
+                           block=block, num_warps=num_warps)
+    launch.run(grad_scale)
+    return launch.block_map
 
 
 # ----------------------------------------------------------------------------- reference

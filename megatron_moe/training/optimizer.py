@@ -4,6 +4,7 @@ copies, in one fused pass (``kernels/adamw.py``) instead of three.
     opt = AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused_kernel=True)
     opt.set_copies(bf16.masters, bf16.copies)   # precision.BF16Params: copies written by the step
     coef = clip_coefficient(grad_norm, 1.0)     # a device scalar: no host sync
+    opt.prepare()                               # optional: the host work now (before a host read)
     opt.step(grad_scale=coef)                   # grads scaled by coef, masters and copies updated
 
 A torch.optim.AdamW: same hyperparameters, the same state (``step``, ``exp_avg``,
@@ -31,7 +32,7 @@ import math
 import torch
 
 from megatron_moe.kernels._common import use_triton
-from megatron_moe.kernels.adamw import BlockMap, adamw_step_, hyperparameters
+from megatron_moe.kernels.adamw import BlockMap, adamw_prepare, hyperparameters
 
 
 class AdamW(torch.optim.AdamW):
@@ -56,12 +57,14 @@ class AdamW(torch.optim.AdamW):
         self._copy_of: dict[int, torch.Tensor] = {}
         self._block_map: BlockMap | None = None
         self._host_step: dict[int, int] = {}  # id(p) -> its state["step"], read once from there
+        self._prepared: tuple | None = None  # prepare()'s plan for the next step()
 
     def set_copies(self, masters: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
         """After each step, copies[i] holds masters[i] rounded to its dtype (precision.BF16Params)."""
         if len(masters) != len(copies):
             raise ValueError(f"AdamW.set_copies: {len(masters)} masters but {len(copies)} copies")
         self._copy_of = {id(m): c for m, c in zip(masters, copies)}
+        self._prepared = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, except that zeroing in place (``set_to_none=False``: a CUDA graph adds into the
@@ -88,6 +91,7 @@ class AdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # casts the moments to the parameters' dtype (fp32)
         self._host_step.clear()
+        self._prepared = None
         # the saved groups' flags replace ours on load: keep this instance's path, and each
         # step count where that path reads it (host for the kernel, the device for torch's fused)
         for group in self.param_groups:
@@ -102,15 +106,33 @@ class AdamW(torch.optim.AdamW):
                     if st and torch.is_tensor(st.get(k)) and st[k].dtype != self.state_dtype:
                         st[k] = st[k].to(self.state_dtype)
 
-    @torch.no_grad()
-    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
-        """One update of every parameter that has a gradient; ``grad_scale`` (a scalar tensor on
-        the parameters' device, e.g. the clipping coefficient) multiplies the gradients first."""
-        if closure is not None:
-            raise ValueError("megatron_moe.training.optimizer.AdamW.step: closures are not supported")
-        if not self.fused_kernel:
-            self._unfused_step(grad_scale)
-            return None
+    def prepare(self) -> None:
+        """step()'s host work ahead of it: the checks, the address table and the step's
+        hyperparameters on the device. A step() that follows with the same hyperparameters and
+        the same memory for every parameter, gradient, moment and copy only launches the
+        kernel; otherwise it builds anew. The training step calls
+        this before its one host read, while the GPU still runs the micro-batches, so that after
+        the read the GPU waits for one launch and not for this Python. Nothing is updated until
+        step() (a parameter's zero moments are created at its first preparation; a step that is
+        skipped leaves the counts as they were)."""
+        self._prepared = self._plan() if self.fused_kernel else None
+
+    def _plan_key(self) -> tuple:
+        """What a prepared step depends on: each group's hyperparameters, and where each
+        parameter, its gradient, moments and copy live (the address table holds that memory)."""
+        def where(t):
+            return None if t is None else t.data_ptr()
+
+        def tensors(p):
+            st = self.state.get(p) or {}
+            return (p.data_ptr(), where(p.grad), where(st.get("exp_avg")), where(st.get("exp_avg_sq")),
+                    where(self._copy_of.get(id(p))))
+
+        return tuple((g["lr"], g["weight_decay"], g["betas"], g["eps"], tuple(tensors(p) for p in g["params"]))
+                     for g in self.param_groups)
+
+    def _plan(self) -> tuple:
+        """(key, [the update's launch per device], the step tensors and their new counts)."""
         if self._copy_of:  # checked before anything changes
             with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
             missing = sum(id(p) not in self._copy_of for p in with_grad)
@@ -147,18 +169,38 @@ class AdamW(torch.optim.AdamW):
                                                  beta2, group["eps"], t)
                 hyper.append(by_step[t])
         copies = [self._copy_of[id(p)] for p in params] if self._copy_of else None
-        # the one launch per device (a model's parameters share one); adamw_step_ checks the
-        # tensors before it changes anything, so the step counts advance only after it
+        # the one launch per device (a model's parameters share one); adamw_prepare checks the
+        # tensors before anything changes, so the step counts advance only after the launch
+        launches = []
         for dev in {p.device for p in params}:
             idx = [k for k, p in enumerate(params) if p.device == dev]
             pick = lambda xs: [xs[k] for k in idx]  # noqa: E731
-            scale = grad_scale.to(dev) if grad_scale is not None else None
-            self._block_map = adamw_step_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                                          pick(hyper), copies=pick(copies) if copies is not None else None,
-                                          grad_scale=scale, block_map=self._block_map)
+            launch = adamw_prepare(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(hyper),
+                                   copies=pick(copies) if copies is not None else None, block_map=self._block_map)
+            self._block_map = launch.block_map
+            launches.append((dev, launch))
+        # the key last: a parameter's first plan has just created its moments
+        return self._plan_key(), launches, steps, [id(p) for p in params], counts
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):
+        """One update of every parameter that has a gradient; ``grad_scale`` (a scalar tensor on
+        the parameters' device, e.g. the clipping coefficient) multiplies the gradients first.
+        Uses what prepare() made ready when nothing it depends on has changed since."""
+        if closure is not None:
+            raise ValueError("megatron_moe.training.optimizer.AdamW.step: closures are not supported")
+        if not self.fused_kernel:
+            self._unfused_step(grad_scale)
+            return None
+        plan, self._prepared = self._prepared, None
+        if plan is None or plan[0] != self._plan_key():
+            plan = self._plan()
+        _, launches, steps, ids, counts = plan
+        for dev, launch in launches:
+            launch.run(grad_scale.to(dev) if grad_scale is not None else None)
         if steps:
             torch._foreach_add_(steps, 1.0)
-            self._host_step.update(zip(map(id, params), counts))
+            self._host_step.update(zip(ids, counts))
         return None
 
     def _unfused_step(self, grad_scale):

@@ -388,6 +388,8 @@ def train_step(run: Run) -> StepResult:
         stats_C = micro_C.clone() if stats_C is None else stats_C.add_(micro_C)
     run.reducer.reduce()
     grad_norm = clip_grad_norm(run.params, tc.clip_grad, run.groups, scale=False)  # the step scales
+    grad_scale = clip_coefficient(grad_norm, tc.clip_grad)
+    run.optimizer.prepare()  # the update's host work now, while the GPU runs the micro-batches
     # the stop-signal flags ride along: every rank learns whether any rank received one
     stop_S = run.stop.flags(device) if run.stop is not None else None
     packed = torch.cat([stats_C] + ([stop_S] if stop_S is not None else []))
@@ -404,7 +406,7 @@ def train_step(run: Run) -> StepResult:
     gnorm = float(packed_C[-1])
     finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
     if finite:
-        run.optimizer.step(grad_scale=clip_coefficient(grad_norm, tc.clip_grad))  # copies too
+        run.optimizer.step(grad_scale=grad_scale)  # copies too; only the launch is left to do
         update_expert_biases(run.model)
         run.consecutive = 0
     else:  # skip the update; the step, its data and the schedule still count

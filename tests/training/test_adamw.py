@@ -243,6 +243,56 @@ def test_optimizer_matches_torch_adamw(fused_kernel):
     assert int(ours.state[ours_p[0]]["step"]) == 4 and int(ours.state[ours_p[1]]["step"]) == 5
 
 
+def test_prepared_steps_equal_plain_steps(monkeypatch):
+    """prepare() then step() (the training step's order) gives the same bits as step() alone: a
+    plain sequence, a learning rate changed after prepare() (the step sees the new one), a step
+    prepared and then skipped (the counts stay), a gradient replaced after prepare(), and a
+    state loaded after it. Only an unchanged preparation is reused."""
+    import megatron_moe.training.optimizer as opt_mod
+
+    built = []
+    real = opt_mod.adamw_prepare
+    monkeypatch.setattr(opt_mod, "adamw_prepare", lambda *a, **k: built.append(1) or real(*a, **k))
+    a_p, b_p = _model_params(7), _model_params(7)
+    a_c, b_c = ([p.detach().to(torch.bfloat16) for p in ps] for ps in (a_p, b_p))
+    a = AdamW(_groups(a_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    b = AdamW(_groups(b_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    a.set_copies(a_p, a_c)
+    b.set_copies(b_p, b_c)
+    gen = torch.Generator().manual_seed(8)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=gen).to(DEVICE) for p in a_p]
+        scale = torch.tensor(0.5 + 0.1 * step, device=DEVICE)
+        for ps in (a_p, b_p):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+        n = len(built)
+        a.prepare()
+        if step == 1:  # the schedule moves after the preparation
+            for opt in (a, b):
+                for group in opt.param_groups:
+                    group["lr"] = 3e-3
+        if step == 2:  # prepared, then skipped (a non-finite step): nothing changes, counts included
+            continue
+        if step == 3:  # a gradient replaced by another tensor after the preparation
+            for ps in (a_p, b_p):
+                ps[1].grad = ps[1].grad * 2.0
+        if step == 4:  # a checkpoint loaded after the preparation
+            state = copy.deepcopy(b.state_dict())
+            a.load_state_dict(copy.deepcopy(state))
+            b.load_state_dict(state)
+        assert len(built) - n == a.fused_kernel  # prepare()'s own build
+        n = len(built)
+        a.step(grad_scale=scale)
+        assert len(built) - n == int(a.fused_kernel and step in (1, 3, 4)), step  # built again or reused
+        b.step(grad_scale=scale)
+        for x, y, cx, cy in zip(a_p, b_p, a_c, b_c):
+            assert torch.equal(x.detach(), y.detach()) and torch.equal(cx, cy), step
+    for x, y in zip(a_p, b_p):
+        assert int(a.state[x]["step"]) == int(b.state[y]["step"]) == 5
+        assert torch.equal(a.state[x]["exp_avg"], b.state[y]["exp_avg"])
+
+
 def test_state_dict_moves_between_ours_and_torch():
     """Checkpoints: our state loads into torch.optim.AdamW and back, and both go on alike."""
     a_p, b_p, c_p = _model_params(4), _model_params(4), _model_params(4)
