@@ -109,12 +109,11 @@ class AdamW(torch.optim.AdamW):
     def prepare(self) -> None:
         """step()'s host work ahead of it: the checks, the address table and the step's
         hyperparameters on the device. A step() that follows with the same hyperparameters and
-        the same memory for every parameter, gradient, moment and copy only launches the
-        kernel; otherwise it builds anew. The training step calls
-        this before its one host read, while the GPU still runs the micro-batches, so that after
-        the read the GPU waits for one launch and not for this Python. Nothing is updated until
-        step() (a parameter's zero moments are created at its first preparation; a step that is
-        skipped leaves the counts as they were)."""
+        the same memory for every parameter, gradient, moment and copy only launches the kernel;
+        otherwise it builds anew. The training step calls this before its one host read, while
+        the GPU still runs the micro-batches, so that after the read the GPU waits for one launch
+        and not for this Python. Nothing is updated until step() (a parameter's zero moments are
+        created at its first preparation; a step that is skipped leaves the counts as they were)."""
         self._prepared = self._plan() if self.fused_kernel else None
 
     def _plan_key(self) -> tuple:
