@@ -114,9 +114,9 @@ def gemm_problems(shape, device, skew=0.0):
     # fp32 master gradients for the accumulating weight-gradient calls (gradient-accumulation fusion)
     g1 = torch.zeros(E, H, X, device=device)
     g2 = torch.zeros(E, F, H, device=device)
-    return dict(T=T, H=H, F=F, X=X, E=E, K=K, S=S, activation=activation, off=off, tok=tok, order=order, x=x,
-                dy=dy, w1=w1, w2=w2,
-                act=act, pre=pre, scale=scale, g1=g1, g2=g2, dys=dy[tok.long()].contiguous())
+    return dict(T=T, H=H, F=F, X=X, E=E, K=K, S=S, activation=activation, off=off, tok=tok, order=order,
+                x=x, dy=dy, w1=w1, w2=w2, act=act, pre=pre, scale=scale, g1=g1, g2=g2,
+                dys=dy[tok.long()].contiguous())
 
 
 def _no_tma(fn):
@@ -187,9 +187,9 @@ def gemm_rows(shape, device, skew=0.0, only=None):
 
     rows = []
     for name, fn in gemm_calls(p).items():
-        flops = gemm_flops(p, name)
         if not selected(name, only):
             continue
+        flops = gemm_flops(p, name)
         G.clear_tuning_cache()  # tune here, so best_config is this GEMM's
         fn()
         kern = G._grouped_wgrad_kernel if name.startswith("wgrad") else G._grouped_gemm_kernel
@@ -388,8 +388,9 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-gemms", action="store_true", help="only the per-kernel profile of the providers' steps")
-    ap.add_argument("--sweep-only", default="", help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx); "
-                         "a name ending in '$' is matched exactly")
+    ap.add_argument("--sweep-only", default="",
+                    help="comma-separated GEMM name prefixes (fwd1,fwd2,bwd,wgrad,dx); a name ending in '$' is "
+                         "matched exactly")
     ap.add_argument("--gemms-only", default="",
                     help="comma-separated GEMM name prefixes (or exact names ending in '$'): time only these")
     ap.add_argument("--skew", type=float, default=0.0,

@@ -229,7 +229,6 @@ def adamw_prepare(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
     meta = dict(HAS_COPY=copies is not None,
                 COPY_DTYPE=_TL_DTYPE[copies[0].dtype] if copies is not None else tl.bfloat16,
                 STATE_BF16=exp_avgs[0].dtype == torch.bfloat16, BLOCK=block, num_warps=num_warps)
-    bm = block_map
 
     def run(grad_scale):
         if grad_scale is not None:
@@ -237,9 +236,9 @@ def adamw_prepare(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
                 raise ValueError(f"adamw_step_: grad_scale must be a scalar tensor on {device}, got "
                                  f"shape {tuple(grad_scale.shape)} on {grad_scale.device}")
             grad_scale = grad_scale.reshape(1).to(torch.float32)
-        _adamw_kernel[(bm.num_blocks,)](addrs, hyp, bm.param_B, bm.start_B,
-                                        grad_scale if grad_scale is not None else hyp,
-                                        HAS_SCALE=grad_scale is not None, **meta)
+        _adamw_kernel[(block_map.num_blocks,)](addrs, hyp, block_map.param_B, block_map.start_B,
+                                               grad_scale if grad_scale is not None else hyp,
+                                               HAS_SCALE=grad_scale is not None, **meta)
 
     return AdamWLaunch(run, block_map)
 
