@@ -81,15 +81,19 @@ def flops_of(tokens, hidden, ffn, top_k, activation) -> int:
     """Useful expert FLOPs of one forward + backward: three GEMMs per matmul (forward, input and
     weight gradients) of 2 * tokens * top_k * hidden * width each; the up projection is 2F wide
     for SwiGLU."""
-    up = 2 * ffn if activation == "swiglu" else ffn
+    from megatron_moe.kernels.activation import pre_width_factor
+
+    up = pre_width_factor(activation) * ffn
     return 6 * tokens * top_k * hidden * (up + ffn)
 
 
 class DenseMLP(torch.nn.Module):
     def __init__(self, hidden, ffn, activation="gelu"):
+        from megatron_moe.kernels.activation import pre_width_factor
+
         super().__init__()
         self.activation = activation
-        self.w1 = torch.nn.Parameter(torch.randn(hidden, 2 * ffn if activation == "swiglu" else ffn) * 0.02)
+        self.w1 = torch.nn.Parameter(torch.randn(hidden, pre_width_factor(activation) * ffn) * 0.02)
         self.w2 = torch.nn.Parameter(torch.randn(ffn, hidden) * 0.02)
 
     def forward(self, x):

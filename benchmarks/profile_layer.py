@@ -90,10 +90,11 @@ def gemm_problems(shape, device, skew=0.0):
     """The six grouped GEMMs of the triton_grouped MLP with a router-like random routing; ``skew``:
     that fraction of the tokens sends its first choice to expert 0 (a collapsed router, as early
     in training). X: the up projection's width (2F for swiglu)."""
+    from megatron_moe.kernels.activation import pre_width_factor
     from megatron_moe.kernels.metadata import routing_metadata
 
     T, H, F, E, K, activation = shape
-    X = 2 * F if activation == "swiglu" else F
+    X = pre_width_factor(activation) * F
     torch.manual_seed(0)
     logits = torch.randn(T, E, device=device)
     logits[: int(skew * T), 0] = 1e4

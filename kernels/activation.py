@@ -41,6 +41,13 @@ ACTIVATIONS = ("gelu", "swiglu")
 """The activations every path supports; the one list (MoEConfig and the model config use it)."""
 
 
+def pre_width_factor(activation: str | None) -> int:
+    """Pre-activation columns per activation output: 2 for swiglu (the gate and up projections
+    side by side, [gate | up]), else 1 (gelu, or no activation). The first expert weight is
+    [H, pre_width_factor(activation) * F]."""
+    return 2 if activation == "swiglu" else 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Element-wise math in Triton (fp32)
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +232,7 @@ def activation_backward_(h_NX: torch.Tensor, dact_NF: torch.Tensor, activation: 
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
     if h_NX.dim() != 2 or dact_NF.dim() != 2:
         raise ValueError(f"h_NX {tuple(h_NX.shape)} and dact_NF {tuple(dact_NF.shape)} must be 2-D")
-    X = dact_NF.shape[1] * (2 if activation == "swiglu" else 1)
+    X = dact_NF.shape[1] * pre_width_factor(activation)
     if tuple(h_NX.shape) != (dact_NF.shape[0], X):
         raise ValueError(f"h_NX has shape {tuple(h_NX.shape)}, expected {(dact_NF.shape[0], X)} for "
                          f"dact_NF {tuple(dact_NF.shape)} and activation {activation!r}")

@@ -40,7 +40,8 @@ import triton.language as tl
 
 from . import switches
 from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
-from .activation import ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_bwd, swiglu_bwd
+from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_bwd, pre_width_factor,
+                         swiglu_bwd)
 from .metadata import Topology
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ def _sdd_outputs(a, topology: Topology, activation, out):
     act = torch.empty(Z, B, B, dtype=a.dtype, device=a.device) if out is None else out
     pre = None
     if activation is not None:
-        G = 2 if activation == "swiglu" else 1
+        G = pre_width_factor(activation)
         pre = torch.empty(G, Z, B, B, dtype=a.dtype, device=a.device)
         pre = pre[0] if G == 1 else pre
     return act, pre
@@ -571,7 +572,7 @@ def _check_activation(activation) -> int:
     """The pre-activation's groups (2 for swiglu: gate, up) of a valid activation (or None)."""
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is invalid: expected None or one of {list(ACTIVATIONS)}")
-    return 2 if activation == "swiglu" else 1
+    return pre_width_factor(activation)
 
 
 def _check_dense_rows(a, topology: Topology, name: str) -> None:

@@ -51,7 +51,7 @@ except (ImportError, AttributeError):
 from . import switches, tuning
 from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
-                         gelu_bwd, swiglu_bwd)
+                         gelu_bwd, pre_width_factor, swiglu_bwd)
 from .metadata import max_row_blocks
 
 EPILOGUES = (None, *ACTIVATIONS)
@@ -697,7 +697,7 @@ def grouped_gemm_triton(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=Non
     E, K, Nw = w_EKN.shape
     if activation == "swiglu" and Nw % 2:
         raise ValueError(f"swiglu needs an even number of w columns [gate | up], got {Nw}")
-    N = Nw // 2 if activation == "swiglu" else Nw
+    N = Nw // pre_width_factor(activation)
     out_dtype = out_dtype or a_MK.dtype
     dev = a_MK.device
     if out is None:
@@ -738,7 +738,7 @@ def _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S) 
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
     N = w_EKN.shape[2]
-    X = 2 * N if activation == "swiglu" else N
+    X = pre_width_factor(activation) * N
     if pre_SX.shape != (S, X) or pre_SX.stride(1) != 1:
         raise ValueError(f"pre_SX must be [{S}, {X}] with contiguous rows, got {tuple(pre_SX.shape)}")
     return S, X

@@ -13,7 +13,7 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from .kernels.activation import ACTIVATIONS
+from .kernels.activation import ACTIVATIONS, pre_width_factor
 from ._validation import check_bool, check_choice, check_int, check_number, invalid, is_number
 
 MLP_IMPLS = ("auto", "triton_grouped", "torch_grouped_mm", "blocksparse", "capacity", "reference")
@@ -90,7 +90,7 @@ class MoEConfig:
 
     @property
     def w1_columns(self) -> int:
-        return 2 * self.ffn_hidden_size if self.activation == "swiglu" else self.ffn_hidden_size
+        return pre_width_factor(self.activation) * self.ffn_hidden_size
 
     def capacity(self, num_tokens: int) -> int:
         """Per-expert capacity of the capacity-factor MoE for ``num_tokens`` tokens."""

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import AUTO_GROUPED_MM_MIN_WIDTH, MoEConfig
-from .kernels.activation import activate
+from .kernels.activation import activate, pre_width_factor
 from .kernels.metadata import routing_metadata
 from .ops.blocksparse_mlp import blocksparse_mlp
 from .ops.torch_grouped_mm_mlp import torch_grouped_mm_mlp
@@ -150,7 +150,7 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.cfg = cfg
         fs = cfg.shared_expert_ffn_hidden_size
-        self.w1 = nn.Parameter(torch.empty(cfg.hidden_size, 2 * fs if cfg.activation == "swiglu" else fs))
+        self.w1 = nn.Parameter(torch.empty(cfg.hidden_size, pre_width_factor(cfg.activation) * fs))
         self.w2 = nn.Parameter(torch.empty(fs, cfg.hidden_size))
         nn.init.normal_(self.w1, std=cfg.init_method_std)
         nn.init.normal_(self.w2, std=cfg.output_init_std or cfg.init_method_std)

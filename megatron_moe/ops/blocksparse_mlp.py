@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe.kernels.activation import ACTIVATIONS
+from megatron_moe.kernels.activation import ACTIVATIONS, pre_width_factor
 from megatron_moe.kernels.blocksparse import dds, dsd, sdd, sdd_activation_grad, tsd
 from megatron_moe.kernels.metadata import Routing, block_topology
 from megatron_moe.kernels.permute import gather_rows, scatter_rows, scatter_rows_weight_grad
@@ -68,7 +68,7 @@ def blocksparse_mlp(x_TH, w1_EHF, w2_EFH, weights_TK, routing: Routing, activati
     interpreter, plain PyTorch otherwise). Weights in another dtype than x are cast to x's."""
     T, H = x_TH.shape
     E, F = w2_EFH.shape[0], w2_EFH.shape[1]
-    F1 = 2 * F if activation == "swiglu" else F
+    F1 = pre_width_factor(activation) * F
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is invalid: expected one of {ACTIVATIONS}")
     if tuple(w1_EHF.shape) != (E, H, F1) or tuple(w2_EFH.shape) != (E, F, H):

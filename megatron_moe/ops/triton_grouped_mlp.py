@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe.kernels.activation import ACTIVATIONS
+from megatron_moe.kernels.activation import ACTIVATIONS, pre_width_factor
 from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
 from megatron_moe.kernels.metadata import Routing
 from megatron_moe.kernels.permute import sum_rows
@@ -138,7 +138,7 @@ def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.T
         raise ValueError(f"x_TH must be [T={T}, H], got {tuple(x_TH.shape)}")
     H = x_TH.shape[1]
     F = w2_EFH.shape[1]
-    if w1_EHF.shape != (E, H, 2 * F if activation == "swiglu" else F) or w2_EFH.shape != (E, F, H):
+    if w1_EHF.shape != (E, H, pre_width_factor(activation) * F) or w2_EFH.shape != (E, F, H):
         raise ValueError(f"{activation}: expected w1 [E, H, {'2F' if activation == 'swiglu' else 'F'}] and "
                          f"w2 [E, F, H] with E={E}, H={H}; got {tuple(w1_EHF.shape)} and {tuple(w2_EFH.shape)}")
     if weights_TK.shape != (T, K):

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import re
 
+from megatron_moe.kernels.activation import pre_width_factor
 from megatron_moe.megatron.model_config import ModelConfig
 
 
 def _mlp_shapes(cfg: ModelConfig) -> dict:
-    g = 2 if cfg.activation == "swiglu" else 1
+    g = pre_width_factor(cfg.activation)
     moe = cfg.moe
     fe = (moe.ffn_hidden_size or cfg.ffn_hidden_size) if moe else 0
     fs = moe.shared_expert_ffn_hidden_size if moe else 0
