@@ -4,6 +4,7 @@
     python benchmarks/bench_layer.py --configs olmoe,qwen3-30b-a3b,sonic-1536,sonic-4096,mixtral \
         --providers dense,plain_grouped_mm,triton_grouped,torch_grouped_mm --timing eager,graph  # SwiGLU
     python benchmarks/bench_layer.py --configs paper-moe-m --providers dense,triton_grouped
+    python benchmarks/bench_layer.py --configs qwen3-30b-a3b --providers dense,triton_grouped,sonicmoe  # SonicMoE
     python benchmarks/bench_layer.py --out benchmarks/results/h100.json
     python benchmarks/bench_layer.py --timing eager,graph  # also replays of a CUDA graph of each step
 
@@ -15,6 +16,10 @@ Providers:
                     DroplessMoE with that mlp_impl
   triton_grouped_recompute (not run by default): triton_grouped with recompute_activation
                     (one saved [N, F] tensor)
+  sonicmoe (not run by default; SwiGLU only, eager only): SonicMoE's MoE module (`pip install
+                    sonic-moe`: CuTe-DSL kernels, its softmax-over-top-k router; the aux loss it
+                    returns is computed, not back-propagated). Its GEMMs autotune on first use
+                    (QUACK_CACHE_DIR, QUACK_CACHE_AUTOTUNING=1 keep that on disk).
 The old names grouped, grouped_mm and grouped_recompute are still accepted (with a notice).
 (torch_grouped_mm used to name the baseline; it now names the mlp_impl, as everywhere else.)
 
@@ -57,8 +62,12 @@ CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k, activation)
 DEFAULT_CONFIGS = ["paper-moe-m", "fine-64e-top8", "mixtral-ish", "dmoe-small"]
 """The configs run by default (the GELU ones); name the others with --configs."""
 PROVIDERS = ["dense", "plain_grouped_mm", "blocksparse", "triton_grouped", "torch_grouped_mm", "capacity"]
-"""The providers run by default; triton_grouped_recompute runs when asked for."""
-ALL_PROVIDERS = PROVIDERS + ["triton_grouped_recompute"]
+"""The providers run by default; triton_grouped_recompute and sonicmoe run when asked for."""
+ALL_PROVIDERS = PROVIDERS + ["triton_grouped_recompute", "sonicmoe"]
+EAGER_ONLY = {"sonicmoe": "not captured: its kernels are compiled and autotuned on the first call, "
+                          "which synchronises"}
+"""Providers whose --timing graph row is an error without a capture being tried (a failed capture
+can leave the GPU unusable)."""
 OLD_PROVIDER_NAMES = {"grouped": "triton_grouped", "grouped_mm": "torch_grouped_mm",
                       "grouped_recompute": "triton_grouped_recompute"}
 
@@ -130,9 +139,31 @@ class PlainGroupedMMMoE(torch.nn.Module):
         return out.view(T, K, -1).sum(1)
 
 
+class SonicMoELayer(torch.nn.Module):
+    """SonicMoE's own MoE module (router, experts, combine) with the layer's calling convention:
+    returns the output only (the aux loss SonicMoE's forward computes is dropped)."""
+
+    def __init__(self, hidden, ffn, experts, top_k, device):
+        from sonicmoe import MoE
+        from sonicmoe.enums import ActivationType
+
+        super().__init__()
+        with torch.device(device):  # its weights are drawn where they live (GBs at sonic-4096)
+            self.moe = MoE(num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                           intermediate_size=ffn, activation_function=ActivationType.SWIGLU, add_bias=False,
+                           std=0.02)
+
+    def forward(self, x_TH):
+        return self.moe(x_TH)[0]
+
+
 def build(provider, tokens, hidden, ffn, experts, top_k, activation, device):
     from megatron_moe import DroplessMoE, MoEConfig
 
+    if provider == "sonicmoe":
+        if activation != "swiglu":
+            raise ValueError(f"sonicmoe runs SwiGLU only, not {activation}")
+        return SonicMoELayer(hidden, ffn, experts, top_k, device).to(device, torch.bfloat16)
     if provider == "dense":
         return DenseMLP(hidden, ffn * top_k, activation).to(device, torch.bfloat16)
     impl = "triton_grouped" if provider in ("plain_grouped_mm", "triton_grouped_recompute") else provider
@@ -187,20 +218,27 @@ def graphed(step):
 
 def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
     """One row per timing mode ('eager': the step as called; 'graph': replays of its CUDA graph),
-    same model and inputs."""
+    same model and inputs. Each row also has first_s: seconds from the model built to its first
+    step done (compile and autotune, and with 'graph' the capture)."""
+    import time
+
     import triton.testing
 
     tokens, hidden, ffn, experts, top_k, activation = shape
     step, model, x = make_step(provider, shape, device)
     flops = flops_of(tokens, hidden, ffn, top_k, activation)
     fns = {}
+    t0 = time.perf_counter()
     if "graph" in timings:  # captured first, before any step on the default stream
         try:
+            if provider in EAGER_ONLY:
+                raise RuntimeError(EAGER_ONLY[provider])
             fns["graph"] = graphed(step)
         except Exception as e:  # e.g. a provider that cannot be captured: its eager row still counts
             fns["graph"] = e
     step()  # compile / autotune (if not done above)
     torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
@@ -210,7 +248,7 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
     rows = []
     for timing in timings:
         row = dict(config=None, provider=provider, timing=timing, tokens=tokens, hidden=hidden, ffn=ffn,
-                   experts=experts, top_k=top_k, activation=activation, peak_mem_gb=peak_gb)
+                   experts=experts, top_k=top_k, activation=activation, peak_mem_gb=peak_gb, first_s=first_s)
         fn = fns[timing]
         if isinstance(fn, Exception):
             row["error"] = f"{type(fn).__name__}: {fn}"[:300]
@@ -228,7 +266,7 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, of {', '.join(CONFIGS)} (default: {', '.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--providers", default=",".join(PROVIDERS),
-                    help=f"comma-separated, of {', '.join(ALL_PROVIDERS)} (default: all but the last)")
+                    help=f"comma-separated, of {', '.join(ALL_PROVIDERS)} (default: {', '.join(PROVIDERS)})")
     ap.add_argument("--warmup-ms", type=float, default=100)
     ap.add_argument("--rep-ms", type=float, default=500)
     ap.add_argument("--timing", default="eager",
@@ -272,14 +310,15 @@ def main(argv=None):
         if "tflops" in r and dense:
             r["vs_dense"] = r["tflops"] / dense["tflops"]
     print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}")
-    print(f"{'config':<14} {'provider':<24} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8}")
+    print(f"{'config':<14} {'provider':<24} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8} "
+          f"{'first s':>8}")
     for r in rows:
         head = f"{r['config']:<14} {r['provider']:<24} {r['timing']:<6}"
         if "error" in r:
             print(f"{head} ERROR {r['error'][:80]}")
         else:
             print(f"{head} {r['median_ms']:8.2f} {r['tflops']:8.1f} "
-                  f"{r.get('vs_dense', float('nan')):8.2f} {r['peak_mem_gb']:8.2f}")
+                  f"{r.get('vs_dense', float('nan')):8.2f} {r['peak_mem_gb']:8.2f} {r['first_s']:8.1f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
