@@ -5,6 +5,8 @@
     python benchmarks/profile_layer.py --providers torch_grouped_mm --no-gemms  # only the step profile
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
     python benchmarks/profile_layer.py --cprofile --providers triton_grouped   # host Python time per function
+    python benchmarks/profile_layer.py --order --configs qwen3-30b-a3b --providers sonicmoe,triton_grouped
+                                                 # one step's kernels in launch order, then exit
     python benchmarks/profile_layer.py --configs dmoe-small --no-profile --no-sweep --skew 0.9 \
         --gemms-only "wgrad dw2 actT@dy[t] +=fp32"     # some GEMMs only, 90% of the tokens on expert 0
 
@@ -84,6 +86,36 @@ def profile_provider(provider, shape, device, steps=5):
                 launches_per_step=sum(counts.values()) / steps,
                 host=[(name[:70], round(ms, 4), n) for name, ms, n in host],
                 top=[(name[:90], round(ms, 4), counts[name] // steps) for name, ms in top])
+
+
+def kernel_order(provider, shape, device, reps=5, min_ms=0.02):
+    """One step's GPU kernels in launch order, each the median of ``reps`` profiled steps: with
+    the forward and backward's order known, this tells one GEMM from another where kernel names
+    do not (another library's, or ours, whose four row-grouped GEMMs share one name). Returns
+    [(index in the step, ms, name)] for kernels of at least ``min_ms``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, model, x = make_step(provider, shape, device)
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(reps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+        runs.append([(e.name, e.device_time_total / 1e3) for e in events])
+    del model, x, step
+    torch.cuda.empty_cache()
+    rows = []
+    for i, (name, _) in enumerate(runs[0]):
+        times = sorted(r[i][1] for r in runs if len(r) > i)
+        ms = times[len(times) // 2]
+        if ms >= min_ms:
+            rows.append((i, ms, name))
+    return rows
 
 
 def gemm_problems(shape, device, skew=0.0):
@@ -398,6 +430,8 @@ def main(argv=None):
                     help="fraction of the tokens routed to expert 0 in the GEMM problems (0: random routing)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--launch", action="store_true", help="host time per kernel launch, then exit")
+    ap.add_argument("--order", action="store_true",
+                    help="one step's kernels in launch order (median of 5 profiled steps), then exit")
     ap.add_argument("--cprofile", action="store_true",
                     help="host Python time of the providers' steps (cProfile, top functions), then exit")
     args = ap.parse_args(argv)
@@ -405,6 +439,13 @@ def main(argv=None):
     device = torch.device("cuda")
     if args.launch:
         launch_overhead(device)
+        return
+    if args.order:
+        for cname in args.configs.split(","):
+            for prov in providers:
+                print(f"== {cname} {prov}")
+                for i, ms, name in kernel_order(prov, CONFIGS[cname], device):
+                    print(f"  {i:3d} {ms:7.3f}  {name[:150]}", flush=True)
         return
     if args.cprofile:
         for cname in args.configs.split(","):
