@@ -144,8 +144,13 @@ class SonicMoELayer(torch.nn.Module):
     returns the output only (the aux loss SonicMoE's forward computes is dropped)."""
 
     def __init__(self, hidden, ffn, experts, top_k, device):
-        from sonicmoe import MoE
-        from sonicmoe.enums import ActivationType
+        try:
+            from sonicmoe import MoE
+            from sonicmoe.enums import ActivationType
+        except ImportError as e:
+            raise ImportError(f"provider sonicmoe needs SonicMoE: pip install sonic-moe (Python 3.12+, Hopper or "
+                              f"Blackwell; benchmarks/results/sonicmoe-h200-2026-11-29/README.md has an offline "
+                              f"install) ({e})") from e
 
         super().__init__()
         with torch.device(device):  # its weights are drawn where they live (GBs at sonic-4096)
