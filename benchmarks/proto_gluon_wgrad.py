@@ -2,7 +2,7 @@
 epilogue (issue #35; not used by the layer).
 
     python benchmarks/proto_gluon_wgrad.py --compile-only   # compile for sm_90 without a GPU (Triton 3.6)
-    python benchmarks/proto_gluon_wgrad.py --check          # GPU: against the float64 reference
+    python benchmarks/proto_gluon_wgrad.py --check          # GPU: against the plain-PyTorch reference
     python benchmarks/proto_gluon_wgrad.py                  # GPU: check, then time against ours and CUTLASS
 
 dw[e] = a[gather_a(s)]ᵀ b[gather_b(s)] over expert e's rows s (offsets), as
@@ -66,17 +66,16 @@ def _issue(p_i, p_s, slot, my_tiles, pid, nprog, tiles_e, tiles_n,
            a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs,
            K, N, stride_am, stride_bm,
            HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr,
-           BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr,
-           a_load: gl.constexpr, b_load: gl.constexpr):
+           BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, load_layout: gl.constexpr):
     """The producer: row block p_s of this program's tile p_i into ring slot ``slot`` (nothing
     once the tiles are done); one commit group either way, so the consumer's group count holds."""
     if p_i < my_tiles:
         e, pk, pn, seg_start, seg_end, steps = _tile_rows(pid + p_i * nprog, tiles_e, tiles_n, offsets_ptr, BLOCK_S)
         s0 = seg_start + p_s * BLOCK_S
         _copy_rows(a_bufs.index(slot), a_ptr, gather_a_ptr, stride_am, s0, seg_end, pk * BLOCK_K, K, HAS_GATHER_A,
-                   BLOCK_S, BLOCK_K, a_load)
+                   BLOCK_S, BLOCK_K, load_layout)
         _copy_rows(b_bufs.index(slot), b_ptr, gather_b_ptr, stride_bm, s0, seg_end, pn * BLOCK_N, N, HAS_GATHER_B,
-                   BLOCK_S, BLOCK_N, b_load)
+                   BLOCK_S, BLOCK_N, load_layout)
         p_s += 1
         if p_s == steps:
             p_s = 0
@@ -93,9 +92,8 @@ def _wgrad_gluon_kernel(
     BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
 ):
     gl.static_assert(NUM_BUF >= 3, "the MMA in flight, the one before it and a slot being filled")
-    # cp.async layouts: 8 contiguous bf16 (16 bytes) per thread along the rows
-    a_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    b_load: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # cp.async layout of both operands: 8 contiguous bf16 (16 bytes) per thread along the rows
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     a_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_S, BLOCK_K], gl.bfloat16)
     b_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_S, BLOCK_N], gl.bfloat16)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -119,7 +117,7 @@ def _wgrad_gluon_kernel(
     for j in gl.static_range(LEAD):
         p_i, p_s = _issue(p_i, p_s, j, my_tiles, pid, nprog, tiles_e, tiles_n, a_ptr, b_ptr, gather_a_ptr,
                           gather_b_ptr, offsets_ptr, a_bufs, b_bufs, K, N, stride_am, stride_bm, HAS_GATHER_A,
-                          HAS_GATHER_B, BLOCK_K, BLOCK_N, BLOCK_S, a_load, b_load)
+                          HAS_GATHER_B, BLOCK_K, BLOCK_N, BLOCK_S, load_layout)
     count = 0  # row blocks consumed
     c_i = 0
     c_s = 0
@@ -135,7 +133,7 @@ def _wgrad_gluon_kernel(
         acc = warpgroup_mma_wait(1, deps=[acc])  # the MMA before this one is done
         p_i, p_s = _issue(p_i, p_s, (count + LEAD) % NUM_BUF, my_tiles, pid, nprog, tiles_e, tiles_n, a_ptr,
                           b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, K, N, stride_am,
-                          stride_bm, HAS_GATHER_A, HAS_GATHER_B, BLOCK_K, BLOCK_N, BLOCK_S, a_load, b_load)
+                          stride_bm, HAS_GATHER_A, HAS_GATHER_B, BLOCK_K, BLOCK_N, BLOCK_S, load_layout)
         count += 1
         e, pk, pn, seg_start, seg_end, steps = _tile_rows(pid + c_i * nprog, tiles_e, tiles_n, offsets_ptr, BLOCK_S)
         c_s += 1
@@ -218,8 +216,9 @@ def compile_only() -> None:
 
 
 def check(device) -> None:
-    """Against kernels/grouped.py's float64 reference: empty experts, all rows to one expert,
-    sizes not multiples of the tiles, gathers on either side, accumulation into fp32."""
+    """Against kernels/grouped.py's plain-PyTorch reference (fp32 products of the bf16 inputs,
+    returned in float64): empty experts, all rows to one expert, sizes not multiples of the tiles,
+    gathers on either side, accumulation into fp32."""
     import torch
 
     sys.path.insert(0, ".")
@@ -239,7 +238,7 @@ def check(device) -> None:
         ga = torch.randperm(S + 7, device=device)[:S].to(torch.int32)
         gb = torch.randperm(S, device=device).to(torch.int32)
         for kw in (dict(gather_a_S=ga), dict(gather_b_S=gb), dict(gather_a_S=ga, gather_b_S=gb)):
-            want = grouped_wgrad_reference(a.double(), b.double(), offsets, **kw)
+            want = grouped_wgrad_reference(a, b, offsets, out_dtype=torch.float64, **kw)
             got = wgrad_gluon(a, b, offsets, out_dtype=torch.float32, **kw)
             err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
             start = torch.randn_like(got)
