@@ -28,6 +28,9 @@
 | MEGATRON_MOE_COMPILE_WORKERS | a new tuning first compiles its     | N: that many processes; 0 or 1: none (the     |
 |                         | candidates in forked processes, one per   | autotuner compiles them one by one)           |
 |                         | CPU of this rank, at most 8 (tuning.py)   |                                               |
+| MEGATRON_MOE_GLUON_WGRAD | a new bf16 weight gradient runs          | 0: the Triton kernel for every weight         |
+|                         | kernels/gluon_wgrad.py's kernel on sm_90  | gradient                                      |
+|                         | where it applies (``supported``)          |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -37,7 +40,7 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``fused_router``, ``fused_norm``, ``bias_grad_kernel``,
+each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``fused_router``, ``fused_norm``, ``bias_grad_kernel``,
 ``fused_gelu``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
@@ -127,3 +130,8 @@ def compile_workers() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(8, cpus // ranks))
+
+
+def gluon_wgrad() -> bool:
+    """MEGATRON_MOE_GLUON_WGRAD != "0": a weight gradient kernels/gluon_wgrad.py takes runs there."""
+    return os.environ.get("MEGATRON_MOE_GLUON_WGRAD", "1") != "0"

@@ -66,6 +66,9 @@ def compile_only() -> collections.Counter:
         if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
             mod.use_triton = always
     grouped._num_sms = lambda index: 132
+    from megatron_moe.kernels import gluon_wgrad  # the Gluon weight gradient: "an sm_90 GPU" too
+    gluon_wgrad._on_sm90 = lambda t: True
+    gluon_wgrad._num_sms = lambda device: 132
     # TMA descriptors on the CPU tensors: only the tensor-memory unit's layout rules
     grouped._tma_can_describe = lambda t: grouped.TensorDescriptor is not None and grouped._tma_aligned(t)
     return compiled
@@ -122,6 +125,14 @@ def scenarios():
             grouped_wgrad(a, b, offsets, out=out, accumulate=True)
         os.environ.pop("MEGATRON_MOE_TMA_ADD")
     yield "fp32 weight-gradient accumulation (load-add-store, TMA reduce-add)", wgrad_accumulate
+
+    def wgrad_gluon():  # kernels/gluon_wgrad.py: a new bf16 gradient, the gather on either operand
+        a, b = torch.randn(256, 128, dtype=bf16), torch.randn(256, 96, dtype=bf16)
+        offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
+        token = torch.zeros(256, dtype=torch.int32)
+        grouped_wgrad(a, b, offsets, gather_a_S=token)
+        grouped_wgrad(a, b, offsets, gather_b_S=token)
+    yield "Gluon weight gradient (gather on a, on b)", wgrad_gluon
 
     def permutation():
         ids = torch.randint(0, 8, (50, 2))

@@ -1,0 +1,295 @@
+"""The grouped weight gradient for Hopper in Gluon (Triton's lower-level language): warp-specialised
+and persistent, its output tiles stored by the tensor-memory unit while the next tile multiplies.
+
+    dw_EKN = grouped_wgrad_gluon(x_TK, dpre_SN, offsets_E1, gather_a_S=token_S)   # dw1 of the layer
+    dw_EKN = grouped_wgrad_gluon(wact_SK, dy_TN, offsets_E1, gather_b_S=token_S)  # dw2
+
+dw[e] = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)], bf16 in, fp32 sums, bf16 out: what
+kernels/grouped.py's ``grouped_wgrad`` computes without its scale, activation prologue or fp32
+accumulation. ``grouped_wgrad`` sends the calls this kernel takes here (:func:`supported`, and
+the switch ``MEGATRON_MOE_GLUON_WGRAD``, kernels/switches.py) and the rest to its Triton kernel;
+its plain-PyTorch ``grouped_wgrad_reference`` is the reference of both.
+
+One program per SM walks output tiles t = pid, pid + #SMs, ... (tile = expert, 128 rows of a's
+columns, 256 of b's). Two partitions share a ring of three shared-memory slots, each one block of
+64 sorted rows of both operands:
+  producer (4 warps): per block, wait for a free slot, ``cp.async`` the block's rows (gathered:
+      Hopper's TMA cannot gather rows) with the rows past the expert's end zero-filled, and arrive
+      on the slot's ready barrier when the copies land. It loads the next block's gather indices
+      and the next tile's row range a step ahead, so no step waits on its own index loads.
+  consumer (8 warps, two warpgroups of 64 tile rows): per block, wait for the slot, one
+      asynchronous ``warpgroup_mma`` (one in flight), free the slot of the block before; per tile,
+      the sum into a shared-memory tile and out by a TMA store that runs on during the next
+      tile's MMAs (waited for only before the buffer is written again).
+An expert without rows runs one all-masked block: its tiles get exact zeros.
+
+Measured on an H200 (docs/performance.md, "A Gluon weight gradient"): at qwen3-30b-a3b's dw1
+1.21x the Triton kernel. Takes bf16 a, b with unit column stride and 16-byte aligned rows, K a
+multiple of 128 (a tile never spans two experts in the [E * K, N] view the store describes),
+N and the row strides multiples of 16. Written against Triton 3.6's Gluon; the names Triton 3.9 renamed are looked up
+either way (``_async_load``, ``_tma_store``, ``_barrier``). Gluon does not run under the interpreter: on the CPU
+the kernel is only compiled (tests/kernels/_compile_sm90.py); tests/kernels/test_gluon_wgrad.py
+runs it on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from . import switches
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon's Hopper ops: grouped_wgrad keeps its Triton kernel
+    gluon = None
+
+BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF = 128, 256, 64, 3
+NUM_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 80
+
+
+def available() -> bool:
+    """Gluon's Hopper ops import, and this is not the interpreter (which cannot run Gluon)."""
+    return gluon is not None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+if gluon is not None:
+    # Triton 3.9 renamed the cp.async copy, the TMA store and the CTA barrier; either release's name
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    # ------------------------------------------------------------------------------------------
+    # Kernel
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _tile_kn(t, tiles_e, tiles_n):
+        """Tile t's expert and its (k, n) tile indices."""
+        r = t % tiles_e
+        return t // tiles_e, r // tiles_n, r % tiles_n
+
+    @gluon.jit
+    def _segment(e, offsets_ptr):
+        """Expert e's rows (loads: used a tile later, so in flight meanwhile)."""
+        return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
+
+    @gluon.jit
+    def _steps(seg_start, seg_end, BLOCK_S: gl.constexpr):
+        """Row blocks of a tile: at least one (an expert without rows still writes its zeros)."""
+        return gl.maximum(gl.cdiv(seg_end - seg_start, BLOCK_S), 1)
+
+    @gluon.jit
+    def _schedule(E, K, N, offsets_ptr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr):
+        """This program's share of the E * tiles_e tiles (t = pid, pid + nprog, ...), and the rows
+        of its first two tiles' experts (the second clamped to the last tile)."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        tiles_e = gl.cdiv(K, BLOCK_K) * tiles_n
+        last_tile = E * tiles_e - 1
+        e0, _, _ = _tile_kn(pid, tiles_e, tiles_n)
+        start, end = _segment(e0, offsets_ptr)
+        e1, _, _ = _tile_kn(gl.minimum(pid + nprog, last_tile), tiles_e, tiles_n)
+        nx_start, nx_end = _segment(e1, offsets_ptr)
+        return pid, nprog, tiles_e, tiles_n, gl.cdiv(E * tiles_e - pid, nprog), last_tile, start, end, nx_start, nx_end
+
+    @gluon.jit
+    def _block_rows(s0, seg_end, gather_a_ptr, gather_b_ptr, HAS_GATHER_A: gl.constexpr,
+                    HAS_GATHER_B: gl.constexpr, BLOCK_S: gl.constexpr, layout: gl.constexpr):
+        """The source rows of a and b for sorted rows s0 .. s0 + BLOCK_S, and which are before
+        seg_end (the gathers are loads the next producer step uses)."""
+        rows = s0 + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, layout))
+        mask = rows < seg_end
+        rows_a = rows
+        rows_b = rows
+        if HAS_GATHER_A:
+            rows_a = gl.load(gather_a_ptr + rows, mask=mask, other=0)
+        if HAS_GATHER_B:
+            rows_b = gl.load(gather_b_ptr + rows, mask=mask, other=0)
+        return rows_a, rows_b, mask
+
+    @gluon.jit
+    def _copy_rows(buf, ptr, rows, mask_s, stride_m, col0, cols_total, BLOCK_C: gl.constexpr,
+                   layout: gl.constexpr):
+        """cp.async of ``rows`` (those in mask_s; the rest zero-filled), columns col0 .. col0 +
+        BLOCK_C, into ``buf``."""
+        cols = col0 + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+        ptrs = ptr + rows.to(gl.int64)[:, None] * stride_m + cols[None, :]
+        _async_load(buf, ptrs, mask_s[:, None] & (cols < cols_total)[None, :])
+
+    @gluon.jit
+    def _producer(a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
+                  E, K, N, stride_am, stride_bm,
+                  HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, BLOCK_K: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
+                  PRODUCER_WARPS: gl.constexpr):
+        """Every row block of this program's tiles into the ring."""
+        # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, p_start, p_end, nx_start, nx_end = _schedule(
+            E, K, N, offsets_ptr, BLOCK_K, BLOCK_N)
+        rows_a, rows_b, mask = _block_rows(p_start, p_end, gather_a_ptr, gather_b_ptr, HAS_GATHER_A,
+                                           HAS_GATHER_B, BLOCK_S, load_layout)
+        p_i = 0
+        p_s = 0
+        count = 0
+        while p_i < my_tiles:
+            slot = count % NUM_BUF
+            mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
+            _, pk, pn = _tile_kn(pid + p_i * nprog, tiles_e, tiles_n)
+            _copy_rows(a_bufs.index(slot), a_ptr, rows_a, mask, stride_am, pk * BLOCK_K, K, BLOCK_K, load_layout)
+            _copy_rows(b_bufs.index(slot), b_ptr, rows_b, mask, stride_bm, pn * BLOCK_N, N, BLOCK_N, load_layout)
+            async_copy.mbarrier_arrive(ready_bars.index(slot), increment_count=False)  # when they land
+            count += 1
+            p_s += 1
+            if p_s == _steps(p_start, p_end, BLOCK_S):
+                p_s = 0
+                p_i += 1
+                p_start = nx_start
+                p_end = nx_end
+                e_after, _, _ = _tile_kn(gl.minimum(pid + (p_i + 1) * nprog, last_tile), tiles_e, tiles_n)
+                nx_start, nx_end = _segment(e_after, offsets_ptr)
+            rows_a, rows_b, mask = _block_rows(p_start + p_s * BLOCK_S, p_end, gather_a_ptr, gather_b_ptr,
+                                               HAS_GATHER_A, HAS_GATHER_B, BLOCK_S, load_layout)
+
+    @gluon.jit
+    def _consumer(out_desc, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
+                  BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
+                  NUM_WARPS: gl.constexpr):
+        """The MMAs and the tiles' stores."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, seg_start, seg_end, nx_start, nx_end = _schedule(
+            E, K, N, offsets_ptr, BLOCK_K, BLOCK_N)
+        c_steps = _steps(seg_start, seg_end, BLOCK_S)
+        acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+        count = 0
+        c_i = 0
+        c_s = 0
+        while c_i < my_tiles:
+            slot = count % NUM_BUF
+            mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
+            fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+            a_t = a_bufs.index(slot).permute((1, 0))  # [BLOCK_K, BLOCK_S]
+            acc = warpgroup_mma(a_t, b_bufs.index(slot), acc, use_acc=c_s > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # the block before is multiplied: its slot is free
+            _barrier()  # both warpgroups', before the one arrival
+            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=c_s > 0)
+            count += 1
+            c_s += 1
+            if c_s == c_steps:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                _barrier()
+                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
+                e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
+                tma.store_wait(0)  # the last tile's store has read the buffer
+                out_smem.store(acc.to(out_desc.dtype))
+                fence_async_shared()
+                _tma_store(out_desc, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
+                c_s = 0
+                c_i += 1
+                c_steps = _steps(nx_start, nx_end, BLOCK_S)
+                e_after, _, _ = _tile_kn(gl.minimum(pid + (c_i + 1) * nprog, last_tile), tiles_e, tiles_n)
+                nx_start, nx_end = _segment(e_after, offsets_ptr)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _grouped_wgrad_gluon_kernel(
+        a_ptr, b_ptr, out_desc, gather_a_ptr, gather_b_ptr, offsets_ptr,
+        E, K, N, stride_am, stride_bm,
+        HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr,
+        BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
+        NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        a_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_S, BLOCK_K], gl.bfloat16)
+        b_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_S, BLOCK_N], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_S, BLOCK_K], a_smem)
+        b_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_S, BLOCK_N], b_smem)
+        out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready_bars.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
+            mbarrier.init(empty_bars.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer, (out_desc, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
+                         BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
+            (_producer, (a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars,
+                         empty_bars, E, K, N, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, BLOCK_K,
+                         BLOCK_N, BLOCK_S, NUM_BUF, PRODUCER_WARPS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """Unit column stride, a row stride of a multiple of 16 elements and a 16-byte aligned start:
+    what Triton's specialisation must see for each cp.async to move 16 bytes (the variant
+    tested; rows of 8-element multiples compiled to wrong sums on an H200, 2026-11-29)."""
+    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _on_sm90(t: torch.Tensor) -> bool:
+    return t.is_cuda and _capability(t.device.index) == (9, 0)
+
+
+def supported(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None, a_activation=None,
+              a_scale_S=None, out_dtype=None, out=None, accumulate=False) -> bool:
+    """Whether ``grouped_wgrad`` with these arguments runs here: a new bf16 gradient of bf16
+    operands (no scale, no activation prologue, no accumulation), K a multiple of 128 and N of 16,
+    on an sm_90 GPU, Gluon available, the switch on."""
+    if not (switches.gluon_wgrad() and available()):
+        return False
+    if out is not None or accumulate or scale_S is not None or a_activation is not None or a_scale_S is not None:
+        return False
+    if a_MK.dtype != torch.bfloat16 or b_MN.dtype != torch.bfloat16 or (out_dtype or a_MK.dtype) != torch.bfloat16:
+        return False
+    K, N = a_MK.shape[1], b_MN.shape[1]
+    if min(a_MK.shape[0], b_MN.shape[0], K, N) == 0 or K % BLOCK_K or N % 16 or offsets_E1.shape[0] < 2:
+        return False
+    return _rows_ok(a_MK) and _rows_ok(b_MN) and _on_sm90(a_MK)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _out_layout():
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
+
+
+def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None):
+    """dw_EKN [E, K, N] bf16 = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)]; the arguments as
+    ``grouped_wgrad``'s, within what :func:`supported` takes (checked there, not here)."""
+    E = offsets_E1.shape[0] - 1
+    K, N = a_MK.shape[1], b_MN.shape[1]
+    out = torch.empty(E, K, N, device=a_MK.device, dtype=torch.bfloat16)
+    out_desc = TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # out as [E * K, N]
+    tiles = E * (K // BLOCK_K) * triton.cdiv(N, BLOCK_N)
+    # 64K registers per SM for the consumer's and the producer's warps
+    maxnreg = min(256, 65536 // (32 * (NUM_WARPS + PRODUCER_WARPS))) // 8 * 8
+    _grouped_wgrad_gluon_kernel[(min(tiles, _num_sms(a_MK.device)),)](
+        a_MK, b_MN, out_desc, gather_a_S if gather_a_S is not None else offsets_E1,
+        gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1,
+        E, K, N, a_MK.stride(0), b_MN.stride(0),
+        HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
+        BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
+        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=maxnreg)
+    return out

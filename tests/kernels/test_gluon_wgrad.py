@@ -1,0 +1,136 @@
+"""The Gluon weight gradient (kernels/gluon_wgrad.py): which calls it takes, and on an sm_90 GPU
+its results against the float64 reference.
+
+    pytest tests/kernels/test_gluon_wgrad.py          # CPU: the dispatch rules
+    pytest tests/kernels/test_gluon_wgrad.py -m gpu   # sm_90: the kernel against the reference
+
+Gluon does not run under Triton's interpreter; tests/kernels/test_compile_hopper.py compiles the
+kernel for sm_90 on the CPU.
+"""
+import pytest
+import torch
+
+from megatron_moe.kernels import gluon_wgrad as GW
+from megatron_moe.kernels import grouped as G
+
+bf16 = torch.bfloat16
+
+
+def _operands(S, K, N, counts, device, gen):
+    offsets = torch.tensor([0] + list(counts)).cumsum(0).to(torch.int32).to(device)
+    a = torch.randn(S + 5, K, generator=gen).to(bf16).to(device)  # 5 rows no sorted position reads
+    b = torch.randn(S, N, generator=gen).to(bf16).to(device)
+    return a, b, offsets
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch (CPU): what ``supported`` accepts, with the GPU and Gluon made to look present
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def as_if_sm90(monkeypatch):
+    monkeypatch.setattr(GW, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(GW, "available", lambda: True)
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_WGRAD", raising=False)
+
+
+def test_supported_takes_a_new_bf16_gradient_with_either_gather(as_if_sm90):
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", gen)
+    token = torch.randperm(305, generator=gen)[:300].to(torch.int32)
+    assert GW.supported(a, b, offsets, gather_a_S=token)
+    assert GW.supported(a[:300], b, offsets, gather_b_S=token.clamp_max(299))
+    assert GW.supported(a[:300], b, offsets, out_dtype=bf16)
+
+
+@pytest.mark.parametrize("case", ["switch off", "fp32 operands", "fp32 out", "out given", "accumulate", "scale",
+                                  "activation", "K not a multiple of 128", "N not a multiple of 16",
+                                  "strided columns", "no rows", "no experts"])
+def test_supported_refuses(as_if_sm90, monkeypatch, case):
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", gen)
+    a = a[:300]
+    kw = {}
+    if case == "switch off":
+        monkeypatch.setenv("MEGATRON_MOE_GLUON_WGRAD", "0")
+    elif case == "fp32 operands":
+        a, b = a.float(), b.float()
+    elif case == "fp32 out":
+        kw = dict(out_dtype=torch.float32)
+    elif case == "out given":
+        kw = dict(out=torch.empty(3, 256, 160, dtype=bf16))
+    elif case == "accumulate":
+        kw = dict(out=torch.zeros(3, 256, 160), accumulate=True)
+    elif case == "scale":
+        kw = dict(scale_S=torch.ones(300))
+    elif case == "activation":
+        a = torch.randn(300, 512).to(bf16)
+        kw = dict(a_activation="swiglu", a_scale_S=torch.ones(300))
+    elif case == "K not a multiple of 128":
+        a = a[:, :192]
+    elif case == "N not a multiple of 16":  # 8: a multiple of 16 bytes, not what the kernel was tested at
+        b = b[:, :152].contiguous()
+    elif case == "strided columns":
+        b = torch.randn(160, 300).to(bf16).t()
+    elif case == "no rows":
+        a, b, offsets = a[:0], b[:0], torch.zeros(4, dtype=torch.int32)
+    elif case == "no experts":
+        offsets = offsets[:1]
+    assert GW.supported(a, b, offsets, **kw) is False
+
+
+def test_supported_refuses_without_a_gpu(monkeypatch):
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_WGRAD", raising=False)
+    a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", torch.Generator().manual_seed(0))
+    assert GW.supported(a[:300], b, offsets) is False
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel (GPU)
+# ----------------------------------------------------------------------------------------------
+
+CASES = {  # rows, K, N, rows per expert
+    "empty experts, partial row blocks and column tiles": (300, 256, 160, [0, 100, 0, 200]),
+    "all rows to one expert": (256, 128, 256, [0, 256, 0]),
+    "rows not a multiple of 64, several tiles per expert": (1000, 384, 528, [130, 1, 63, 64, 65, 677]),
+    "no expert with rows": (1, 128, 64, [0, 0, 0]),
+    "top_k = num_experts (every token in every expert)": (4 * 90, 128, 96, [90, 90, 90, 90]),
+}
+
+
+def _on_gpu_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GW.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("gather", ["a", "b", "both"])
+def test_gluon_wgrad_matches_float64_reference(case, gather):
+    if not _on_gpu_sm90():
+        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    S, K, N, counts = CASES[case]
+    gen = torch.Generator().manual_seed(1)
+    a, b, offsets = _operands(S, K, N, counts, "cuda", gen)
+    if "every token" in case:  # sorted rows t, t + 90, ... are token t's: each token read num_experts times
+        rows_a = rows_b = (torch.arange(S) % 90).to(torch.int32).cuda()
+    else:
+        rows_a = torch.randperm(S + 5, generator=gen)[:S].to(torch.int32).cuda()  # into a's S + 5 rows
+        rows_b = torch.randperm(S, generator=gen).to(torch.int32).cuda()
+    kw = dict(a=dict(gather_a_S=rows_a), b=dict(gather_b_S=rows_b),
+              both=dict(gather_a_S=rows_a, gather_b_S=rows_b))[gather]
+    if gather == "b":
+        a = a[:S]  # without its gather a has exactly the S sorted rows
+    assert GW.supported(a, b, offsets, **kw), "the Gluon kernel must take this call"
+    got = G.grouped_wgrad(a, b, offsets, **kw)
+    want = G.grouped_wgrad_reference(a, b, offsets, out_dtype=torch.float64, **kw)
+    assert got.dtype == bf16 and got.shape == want.shape
+    # bf16's rounding of each sum (at most 2^-8 of it) and the tensor cores' fp32 accumulation in
+    # another order than the reference's (1e-4 of the largest sum)
+    scale = want.abs().max().item()
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2.0 ** -8 + 1e-4 * scale
+    assert (err <= bound).all(), f"max error {err.max().item():.3e}, {(err > bound).sum().item()} elements over"
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert (got[e] == 0).all(), f"expert {e} has no rows: its gradient must be exact zeros"
