@@ -134,3 +134,32 @@ def test_gluon_wgrad_matches_float64_reference(case, gather):
     for e, n in enumerate(counts):
         if n == 0:
             assert (got[e] == 0).all(), f"expert {e} has no rows: its gradient must be exact zeros"
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_wgrad's dispatch (CPU): a call the kernel takes goes there, after the same argument checks
+# ----------------------------------------------------------------------------------------------
+
+
+def test_grouped_wgrad_sends_what_the_kernel_takes_there(monkeypatch):
+    calls = []
+    monkeypatch.setattr(GW, "supported", lambda *a, **kw: True)
+    monkeypatch.setattr(GW, "grouped_wgrad_gluon", lambda a, b, offsets, **kw: calls.append(kw) or "gluon")
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", gen)
+    token = torch.randperm(305, generator=gen)[:300].to(torch.int32)
+    assert G.grouped_wgrad(a, b, offsets, gather_a_S=token) == "gluon"
+    assert calls == [dict(gather_a_S=token, gather_b_S=None)]
+    with pytest.raises(ValueError, match="sorted rows"):  # the Triton path's checks run first
+        G.grouped_wgrad(a, b[:299], offsets, gather_a_S=token)
+
+
+def test_grouped_wgrad_without_the_kernel_matches_the_reference(monkeypatch):
+    monkeypatch.setattr(GW, "supported", lambda *a, **kw: False)
+    monkeypatch.setattr(GW, "grouped_wgrad_gluon", lambda *a, **kw: pytest.fail("the Gluon kernel ran"))
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = _operands(40, 128, 32, [10, 0, 30], "cpu", gen)  # small: Triton's interpreter runs it
+    token = torch.randperm(45, generator=gen)[:40].to(torch.int32)
+    got = G.grouped_wgrad(a, b, offsets, gather_a_S=token, out_dtype=torch.float32)
+    want = G.grouped_wgrad_reference(a, b, offsets, gather_a_S=token, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
