@@ -23,48 +23,30 @@ columns, 256 of b's). Two partitions share a ring of three shared-memory slots, 
       tile's MMAs (waited for only before the buffer is written again).
 An expert without rows runs one all-masked block: its tiles get exact zeros.
 
-Measured on an H200 (docs/performance.md, "A Gluon weight gradient"): at qwen3-30b-a3b's dw1
-1.21x the Triton kernel. Takes bf16 a, b with unit column stride and 16-byte aligned rows, K a
-multiple of 128 (a tile never spans two experts in the [E * K, N] view the store describes),
-N and the row strides multiples of 16. Written against Triton 3.6's Gluon; the names Triton 3.9 renamed are looked up
-either way (``_async_load``, ``_tma_store``, ``_barrier``). Gluon does not run under the interpreter: on the CPU
-the kernel is only compiled (tests/kernels/_compile_sm90.py); tests/kernels/test_gluon_wgrad.py
-runs it on a GPU.
+Measured on an H200 (docs/performance.md, "A Gluon weight gradient"): 1.17-1.32x the Triton
+kernel (qwen3-30b-a3b's dw1 1.22x). Takes bf16 a, b with unit column stride and 16-byte aligned
+rows, K a multiple of 128 (a tile never spans two experts in the [E * K, N] view the store
+describes), N and the row strides multiples of 16. Written against Triton 3.6's Gluon; the names
+Triton 3.9 renamed are looked up either way (kernels/_gluon.py). Gluon does not run under the
+interpreter: on the CPU the kernel is only compiled (tests/kernels/_compile_sm90.py);
+tests/kernels/test_gluon_wgrad.py runs it on a GPU.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
 from . import switches
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Triton without Gluon's Hopper ops: grouped_wgrad keeps its Triton kernel
-    gluon = None
+from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
+                     maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_store, warpgroup_mma, warpgroup_mma_wait)
 
 BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF = 128, 256, 64, 3
 NUM_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 80
 
 
-def available() -> bool:
-    """Gluon's Hopper ops import, and this is not the interpreter (which cannot run Gluon)."""
-    return gluon is not None and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
 if gluon is not None:
-    # Triton 3.9 renamed the cp.async copy, the TMA store and the CTA barrier; either release's name
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
     # ------------------------------------------------------------------------------------------
     # Kernel
     # ------------------------------------------------------------------------------------------
@@ -122,7 +104,7 @@ if gluon is not None:
         BLOCK_C, into ``buf``."""
         cols = col0 + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
         ptrs = ptr + rows.to(gl.int64)[:, None] * stride_m + cols[None, :]
-        _async_load(buf, ptrs, mask_s[:, None] & (cols < cols_total)[None, :])
+        async_load(buf, ptrs, mask_s[:, None] & (cols < cols_total)[None, :])
 
     @gluon.jit
     def _producer(a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
@@ -180,19 +162,19 @@ if gluon is not None:
             a_t = a_bufs.index(slot).permute((1, 0))  # [BLOCK_K, BLOCK_S]
             acc = warpgroup_mma(a_t, b_bufs.index(slot), acc, use_acc=c_s > 0, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])  # the block before is multiplied: its slot is free
-            _barrier()  # both warpgroups', before the one arrival
+            barrier()  # both warpgroups', before the one arrival
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=c_s > 0)
             count += 1
             c_s += 1
             if c_s == c_steps:
                 acc = warpgroup_mma_wait(0, deps=[acc])
-                _barrier()
+                barrier()
                 mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
                 e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
                 tma.store_wait(0)  # the last tile's store has read the buffer
                 out_smem.store(acc.to(out_desc.dtype))
                 fence_async_shared()
-                _tma_store(out_desc, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
+                tma_store(out_desc, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
                 c_s = 0
                 c_i += 1
                 c_steps = _steps(nx_start, nx_end, BLOCK_S)
@@ -232,22 +214,6 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    """Unit column stride, a row stride of a multiple of 16 elements and a 16-byte aligned start:
-    what Triton's specialisation must see for each cp.async to move 16 bytes (the variant
-    tested; rows of 8-element multiples compiled to wrong sums on an H200, 2026-11-29)."""
-    return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _on_sm90(t: torch.Tensor) -> bool:
-    return t.is_cuda and _capability(t.device.index) == (9, 0)
-
-
 def supported(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None, a_activation=None,
               a_scale_S=None, out_dtype=None, out=None, accumulate=False) -> bool:
     """Whether ``grouped_wgrad`` with these arguments runs here: a new bf16 gradient of bf16
@@ -262,12 +228,7 @@ def supported(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale
     K, N = a_MK.shape[1], b_MN.shape[1]
     if min(a_MK.shape[0], b_MN.shape[0], K, N) == 0 or K % BLOCK_K or N % 16 or offsets_E1.shape[0] < 2:
         return False
-    return _rows_ok(a_MK) and _rows_ok(b_MN) and _on_sm90(a_MK)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return rows_ok(a_MK) and rows_ok(b_MN) and on_sm90(a_MK)
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,13 +244,12 @@ def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=N
     out = torch.empty(E, K, N, device=a_MK.device, dtype=torch.bfloat16)
     out_desc = TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # out as [E * K, N]
     tiles = E * (K // BLOCK_K) * triton.cdiv(N, BLOCK_N)
-    # 64K registers per SM for the consumer's and the producer's warps
-    maxnreg = min(256, 65536 // (32 * (NUM_WARPS + PRODUCER_WARPS))) // 8 * 8
-    _grouped_wgrad_gluon_kernel[(min(tiles, _num_sms(a_MK.device)),)](
+    _grouped_wgrad_gluon_kernel[(min(tiles, num_sms(a_MK.device)),)](
         a_MK, b_MN, out_desc, gather_a_S if gather_a_S is not None else offsets_E1,
         gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1,
         E, K, N, a_MK.stride(0), b_MN.stride(0),
         HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
         BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=maxnreg)
+        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
+        maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS))
     return out

@@ -31,6 +31,10 @@
 | MEGATRON_MOE_GLUON_WGRAD | a new bf16 weight gradient runs          | 0: the Triton kernel for every weight         |
 |                         | kernels/gluon_wgrad.py's kernel on sm_90  | gradient                                      |
 |                         | where it applies (``supported``)          |                                               |
+| MEGATRON_MOE_GLUON_GEMM | off: every row-grouped GEMM runs the      | 1: a plain one (bf16, no gather, scatter,     |
+|                         | Triton kernel (not yet measured in the    | scale or epilogue: the down projection at     |
+|                         | layer)                                    | top-k > 1) runs kernels/gluon_gemm.py's on    |
+|                         |                                           | sm_90                                         |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -40,8 +44,8 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``fused_router``, ``fused_norm``, ``bias_grad_kernel``,
-``fused_gelu``) or at each new tuning
+each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``fused_router``,
+``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
@@ -135,3 +139,9 @@ def compile_workers() -> int:
 def gluon_wgrad() -> bool:
     """MEGATRON_MOE_GLUON_WGRAD != "0": a weight gradient kernels/gluon_wgrad.py takes runs there."""
     return os.environ.get("MEGATRON_MOE_GLUON_WGRAD", "1") != "0"
+
+
+def gluon_gemm() -> bool:
+    """MEGATRON_MOE_GLUON_GEMM == "1": a row-grouped GEMM kernels/gluon_gemm.py takes runs there
+    (opt-in until measured in the layer)."""
+    return os.environ.get("MEGATRON_MOE_GLUON_GEMM", "0") == "1"

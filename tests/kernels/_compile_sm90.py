@@ -66,9 +66,10 @@ def compile_only() -> collections.Counter:
         if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
             mod.use_triton = always
     grouped._num_sms = lambda index: 132
-    from megatron_moe.kernels import gluon_wgrad  # the Gluon weight gradient: "an sm_90 GPU" too
-    gluon_wgrad._on_sm90 = lambda t: True
-    gluon_wgrad._num_sms = lambda device: 132
+    from megatron_moe.kernels import gluon_gemm, gluon_wgrad  # the Gluon kernels: "an sm_90 GPU" too
+    for mod in (gluon_gemm, gluon_wgrad):
+        mod.on_sm90 = lambda t: True
+        mod.num_sms = lambda device: 132
     # TMA descriptors on the CPU tensors: only the tensor-memory unit's layout rules
     grouped._tma_can_describe = lambda t: grouped.TensorDescriptor is not None and grouped._tma_aligned(t)
     return compiled
@@ -88,7 +89,7 @@ def _layer_step(impl, dtype, **kw):
 
 def scenarios():
     from megatron_moe.kernels.adamw import adamw_step_, hyperparameters
-    from megatron_moe.kernels.grouped import grouped_wgrad
+    from megatron_moe.kernels.grouped import grouped_gemm, grouped_wgrad
     from megatron_moe.kernels.metadata import routing_metadata
     from megatron_moe.ops.cross_entropy import lm_cross_entropy
     from megatron_moe.ops.permute import permute_tokens, unpermute_tokens
@@ -133,6 +134,15 @@ def scenarios():
         grouped_wgrad(a, b, offsets, gather_a_S=token)
         grouped_wgrad(a, b, offsets, gather_b_S=token)
     yield "Gluon weight gradient (gather on a, on b)", wgrad_gluon
+
+    def gemm_gluon():  # kernels/gluon_gemm.py: the plain row-grouped GEMM (the down projection; opt-in)
+        os.environ["MEGATRON_MOE_GLUON_GEMM"] = "1"
+        try:
+            a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 96, dtype=bf16)
+            grouped_gemm(a, w, torch.tensor([0, 100, 100, 256], dtype=torch.int32))
+        finally:
+            del os.environ["MEGATRON_MOE_GLUON_GEMM"]
+    yield "Gluon row-grouped GEMM", gemm_gluon
 
     def permutation():
         ids = torch.randint(0, 8, (50, 2))

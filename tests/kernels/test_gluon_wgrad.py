@@ -30,7 +30,7 @@ def _operands(S, K, N, counts, device, gen):
 
 @pytest.fixture
 def as_if_sm90(monkeypatch):
-    monkeypatch.setattr(GW, "_on_sm90", lambda t: True)
+    monkeypatch.setattr(GW, "on_sm90", lambda t: True)
     monkeypatch.setattr(GW, "available", lambda: True)
     monkeypatch.delenv("MEGATRON_MOE_GLUON_WGRAD", raising=False)
 
