@@ -1,4 +1,5 @@
-"""megatron_moe.kernels: Triton kernels of the dropless MoE, each with a plain-PyTorch reference.
+"""megatron_moe.kernels: Triton kernels of the dropless MoE (and Gluon ones for Hopper: gluon_*.py),
+each with a plain-PyTorch reference.
 
 Installed as ``megatron_moe.kernels`` (setup.py maps this folder there). It depends only on
 torch and triton, never on Megatron. The bare name ``kernels`` belongs to an unrelated PyPI
