@@ -153,7 +153,9 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
         return False
     if a_MK.dtype != torch.bfloat16 or w_EKN.dtype != torch.bfloat16 or (out_dtype or a_MK.dtype) != torch.bfloat16:
         return False
-    if a_MK.dim() != 2 or w_EKN.dim() != 3 or offsets_E1.shape[0] != w_EKN.shape[0] + 1 or w_EKN.shape[0] == 0:
+    if a_MK.dim() != 2 or w_EKN.dim() != 3 or offsets_E1.dim() != 1:  # grouped_gemm's checks say what is wrong
+        return False
+    if offsets_E1.shape[0] != w_EKN.shape[0] + 1 or w_EKN.shape[0] == 0:
         return False
     S, K = a_MK.shape
     N = w_EKN.shape[2]

@@ -223,6 +223,8 @@ def supported(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale
         return False
     if out is not None or accumulate or scale_S is not None or a_activation is not None or a_scale_S is not None:
         return False
+    if a_MK.dim() != 2 or b_MN.dim() != 2 or offsets_E1.dim() != 1:  # grouped_wgrad's checks say what is wrong
+        return False
     if a_MK.dtype != torch.bfloat16 or b_MN.dtype != torch.bfloat16 or (out_dtype or a_MK.dtype) != torch.bfloat16:
         return False
     K, N = a_MK.shape[1], b_MN.shape[1]

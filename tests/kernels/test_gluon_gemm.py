@@ -113,6 +113,12 @@ def test_grouped_gemm_sends_what_the_kernel_takes_there(monkeypatch):
         G.grouped_gemm(a[:, :128], w, offsets)
 
 
+def test_grouped_gemm_bad_shapes_get_its_own_error(as_if_sm90):
+    a, w, offsets = _operands()
+    with pytest.raises(ValueError, match="expected a"):
+        G.grouped_gemm(a[0], w, offsets)
+
+
 # ----------------------------------------------------------------------------------------------
 # The kernel (GPU)
 # ----------------------------------------------------------------------------------------------

@@ -163,3 +163,11 @@ def test_grouped_wgrad_without_the_kernel_matches_the_reference(monkeypatch):
     got = G.grouped_wgrad(a, b, offsets, gather_a_S=token, out_dtype=torch.float32)
     want = G.grouped_wgrad_reference(a, b, offsets, gather_a_S=token, out_dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_grouped_wgrad_bad_shapes_get_its_own_error(monkeypatch):
+    monkeypatch.setattr(GW, "on_sm90", lambda t: True)  # as if the kernel could take the call
+    monkeypatch.setattr(GW, "available", lambda: True)
+    a, b = torch.zeros(10, dtype=bf16), torch.zeros(10, 128, dtype=bf16)
+    with pytest.raises(ValueError, match="expected 2-D a and b"):
+        G.grouped_wgrad(a, b, torch.tensor([0, 10], dtype=torch.int32))
