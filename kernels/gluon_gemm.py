@@ -1,30 +1,43 @@
-"""The row-grouped GEMM's plain case for Hopper in Gluon: sorted rows in and out, no gather, scatter,
-scale or epilogue; warp-specialised and persistent, full tiles stored by the tensor-memory unit
-while the next tile multiplies.
+"""The row-grouped GEMM for Hopper in Gluon: the layer's SwiGLU up projection (gather fused, the
+activation in the epilogue) and its down projection at top-k > 1 (sorted rows);
+warp-specialised and persistent, full tiles stored by the tensor-memory unit while the next tile
+multiplies.
 
-    y_SH = grouped_gemm_gluon(wact_SF, w2_EFH, offsets_E1)   # the layer's down projection, top-k > 1
+    pre_SX, wact_SF = grouped_gemm_gluon(x_TH, w1_EHX, offsets_E1, gather_S=token_S,
+                                         activation="swiglu", act_scale_S=weight_S)  # up projection
+    y_SH = grouped_gemm_gluon(wact_SF, w2_EFH, offsets_E1)                           # down, top-k > 1
 
-y[s] = a[s] @ w[e] for the sorted rows s of expert e, bf16 in and out, fp32 sums: what
-kernels/grouped.py's ``grouped_gemm`` computes without its options. With
-``MEGATRON_MOE_GLUON_GEMM=1`` (kernels/switches.py; off by default until measured in the layer)
-``grouped_gemm`` sends the calls this kernel takes here (:func:`supported`) and the rest to its
-Triton kernel; its plain-PyTorch ``grouped_gemm_reference`` is the reference of both.
+out[s] = epilogue(a[gather(s)] @ w[e]) for the sorted rows s of expert e, bf16 in and
+out, fp32 sums: what kernels/grouped.py's ``grouped_gemm`` computes, within :func:`supported`.
+``grouped_gemm`` sends the calls these kernels take here (the switch ``MEGATRON_MOE_GLUON_GEMM``,
+kernels/switches.py) and the rest to its Triton kernel; its plain-PyTorch
+``grouped_gemm_reference`` is the reference of both.
 
-One program per SM walks output tiles (128 sorted rows of one expert x 256 columns, columns
-fastest); the tiles are listed on the device (:func:`_tile_table`: per 128-row tile its expert,
-first row and the expert's end; torch ops, no host read). A producer warp issues the TMA loads of
-a three-slot ring, a's 128 rows and w's 64 x 256 block per step; two MMA warpgroups multiply with
-one asynchronous ``warpgroup_mma`` in flight. A tile whose rows are all its expert's is stored by
-TMA through shared memory and waited for only before the buffer's next use; an expert's last,
-partial tile by masked stores from registers (a TMA store would write the next expert's rows).
+One program per SM walks output tiles (128 sorted rows of one expert, columns fastest); the tiles
+are listed on the device (:func:`_tile_table`: per 128-row tile its expert, first row and the
+expert's end; torch ops, no host read). Two kernels:
+  plain (no gather, no activation; 256 columns a tile): a producer warp issues the TMA loads of a
+      three-slot ring, a's 128 rows and w's 64 x 256 block per step; two MMA warpgroups multiply
+      with one asynchronous ``warpgroup_mma`` in flight. A tile whose rows are all its expert's is
+      stored by TMA through shared memory, waited for only before the buffer's next use; an
+      expert's last, partial tile (a TMA store would write the next expert's rows) goes through
+      the same buffer, read back so that each thread stores 16 bytes, its rows masked.
+  swiglu (128 activation columns a tile): four producer warps ``cp.async`` a's gathered rows
+      (Hopper's TMA cannot gather rows; those past the expert's end zero-filled) and issue the TMA
+      loads of w's gate columns [n, n + 128) and up columns [F + n, F + n + 128); two
+      accumulators. The epilogue writes the rounded pre-activation's two blocks and
+      act_scale(s)·silu(gate)·up of the rounded values, as the Triton kernel does (tanh.approx, its
+      16-bit path): three [128, 128] TMA stores through two shared-memory buffers.
 Rows a tile reads past its expert's end multiply into output rows that are not stored.
 
-Measured on an H200 as a prototype whose compiled instructions are this kernel's
-(docs/performance.md, "A Gluon down projection"): 1.09-1.26x the Triton kernel at the layer's
-down projections. Takes bf16 a with 16-byte aligned rows (row stride a
-multiple of 16), contiguous w [E, K, N] with K a multiple of 64 (a step never reads another
-expert's w) and N of 16. Gluon does not run under the interpreter: on the CPU the kernel is only
-compiled (tests/kernels/_compile_sm90.py); tests/kernels/test_gluon_gemm.py runs it on a GPU.
+Measured on an H200 (docs/performance.md, "A Gluon down projection", "A Gluon up projection"):
+the plain kernel 1.09-1.26x the Triton kernel at the layer's down projections, the swiglu kernel
+0.96-1.07x at its up projections. GELU's epilogue in the same structure measured slower than the
+Triton kernel, and so did the top-1 scatter from the plain kernel (both stay there). Takes bf16 a
+with 16-byte aligned rows (row stride a multiple of 16 elements), contiguous w [E, K, N] with K a
+multiple of 64 (a step never reads another expert's w) and N of 16 (swiglu: of 256, so the gate's
+blocks lie inside its half). Gluon does not run under the interpreter: on the CPU the kernels are
+only compiled (tests/kernels/_compile_sm90.py); tests/kernels/test_gluon_gemm.py runs them on a GPU.
 """
 from __future__ import annotations
 
@@ -34,14 +47,16 @@ import torch
 import triton
 
 from . import switches
-from ._gluon import (TensorDescriptor, available, barrier, fence_async_shared, gl, gluon, maxnreg, mbarrier, num_sms,
-                     on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait)
+from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
+                     maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
+                     warpgroup_mma_wait)
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
+HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
 
 if gluon is not None:
     # ------------------------------------------------------------------------------------------
-    # Kernel
+    # Kernels
     # ------------------------------------------------------------------------------------------
 
     @gluon.jit
@@ -51,7 +66,7 @@ if gluon is not None:
         nprog = gl.num_programs(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
         total = gl.load(num_m_ptr) * tiles_n
-        return pid, nprog, tiles_n, gl.cdiv(gl.maximum(total - pid, 0), nprog)
+        return pid, nprog, tiles_n, gl.cdiv(gl.maximum(total - pid, 0), nprog), total
 
     @gluon.jit
     def _tile_mn(t, tiles_n, BLOCK_N: gl.constexpr):
@@ -59,10 +74,33 @@ if gluon is not None:
         return t // tiles_n, (t % tiles_n) * BLOCK_N
 
     @gluon.jit
+    def _store_rows(ptr, vals, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
+                    layout: gl.constexpr):
+        """Masked stores from registers of a tile's rows before row_end and its columns before N."""
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+        ptrs = ptr + rows.to(gl.int64)[:, None] * stride_m + cols[None, :]
+        gl.store(ptrs, vals, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+    @gluon.jit
+    def _store_staged(ptr, vals, buf, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
+                      NUM_WARPS: gl.constexpr):
+        """_store_rows through the shared-memory buffer ``buf``: read back in a layout whose threads
+        hold 8 neighbouring columns (16-byte stores, a warp per row) rather than the MMA layout's
+        pairs. The callers' next write of ``buf`` follows a thread barrier of their MMA loop."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+        tma.store_wait(0)  # the buffer's last TMA store has read it
+        buf.store(vals)
+        barrier()
+        _store_rows(ptr, buf.load(layout), row0, row_end, col0, N, stride_m, BLOCK_M, BLOCK_C, layout)
+
+    # ---- plain: sorted a by TMA, one 128 x 256 accumulator ------------------------------------
+
+    @gluon.jit
     def _producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
                   K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         """Per tile, per step of BLOCK_K: wait for a free slot, TMA a's rows and w's block into it."""
-        pid, nprog, tiles_n, my_tiles = _my_tiles(num_m_ptr, N, BLOCK_N)
+        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for i in range(my_tiles):
@@ -79,13 +117,13 @@ if gluon is not None:
                 count += 1
 
     @gluon.jit
-    def _consumer(out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars,
-                  empty_bars, K, N, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
+    def _consumer(out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                  ready_bars, empty_bars, K, N, stride_om, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
         """The MMAs (one in flight; the slot of the step before freed) and each tile's store."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        pid, nprog, tiles_n, my_tiles = _my_tiles(num_m_ptr, N, BLOCK_N)
+        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for i in range(my_tiles):
@@ -111,16 +149,14 @@ if gluon is not None:
                 fence_async_shared()
                 tma_store(out_desc, [row0, n0], out_smem)
             else:  # the expert's last tile: its rows only
-                rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-                gl.store(ptrs, vals, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+                _store_staged(out_ptr, vals, out_smem, row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N, NUM_WARPS)
         tma.store_wait(0)
 
     @gluon.jit
-    def _grouped_gemm_gluon_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
-                                   num_m_ptr, K, N, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
+    def _grouped_gemm_gluon_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr,
+                                   tile_end_ptr, num_m_ptr, K, N, stride_om,
+                                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                                   NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -130,11 +166,166 @@ if gluon is not None:
             mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; TMA's bytes complete it
             mbarrier.init(empty_bars.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
-                         ready_bars, empty_bars, K, N, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS)),
+            (_consumer, (out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+                         w_bufs, ready_bars, empty_bars, K, N, stride_om, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF, NUM_WARPS)),
             (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
                          K, N, BLOCK_N, BLOCK_K, NUM_BUF)),
         ], [1], [40])
+
+    # ---- swiglu: gathered a by cp.async, the gate's and the up projection's accumulators -----
+
+    @gluon.jit
+    def _tile_rows(t, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER: gl.constexpr,
+                   BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, layout: gl.constexpr):
+        """The rows of a that tile t (clamped into the list) reads, and which are its expert's."""
+        m, _ = _tile_mn(gl.maximum(gl.minimum(t, total - 1), 0), tiles_n, HALF_N)
+        rows = gl.load(tile_row_ptr + m) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        mask = rows < gl.load(tile_end_ptr + m)
+        if HAS_GATHER:
+            rows = gl.load(gather_ptr + rows, mask=mask, other=0)
+        return rows, mask
+
+    @gluon.jit
+    def _swiglu_producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+                         w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER: gl.constexpr,
+                         BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                         PRODUCER_WARPS: gl.constexpr):
+        """Per tile, per step of BLOCK_K: wait for a free slot, the TMA loads of w's gate and up
+        column blocks and the cp.async of a's rows (the next tile's rows loaded a tile ahead)."""
+        # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        pid, nprog, tiles_n, my_tiles, total = _my_tiles(num_m_ptr, F, HALF_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        rows, mask = _tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
+                                HALF_N, load_layout)
+        count = 0
+        for i in range(my_tiles):
+            m, n0 = _tile_mn(pid + i * nprog, tiles_n, HALF_N)
+            e = gl.load(tile_e_ptr + m)
+            for kk in range(k_steps):
+                slot = count % NUM_BUF
+                mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
+                bar = w_ready.index(slot)
+                mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+                tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot))  # w as [E * K, 2F]
+                tma_load(w_desc, [e * K + kk * BLOCK_K, F + n0], bar, w_bufs.index(2 * slot + 1))
+                cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
+                ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :]
+                async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
+                async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
+                count += 1
+            rows, mask = _tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
+                                    HAS_GATHER, BLOCK_M, HALF_N, load_layout)
+
+    @gluon.jit
+    def _tanh(x):
+        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _swiglu(gate, up, act_scale, HAS_ACT_SCALE: gl.constexpr):
+        """act_scale(s)·silu(gate)·up of the rounded pre-activation, in fp32 with the hardware's
+        tanh (the Triton kernel's 16-bit path, kernels/activation.py), rounded to bf16."""
+        g = gate.to(gl.float32)
+        act = g * (0.5 + 0.5 * _tanh(0.5 * g)) * up.to(gl.float32)
+        if HAS_ACT_SCALE:
+            act = act * act_scale[:, None]
+        return act.to(gl.bfloat16)
+
+    @gluon.jit
+    def _stage(j: gl.constexpr, vals, desc, row, col, out_smem):
+        """The epilogue's j-th TMA store through buffer j % 2 (the store two before it, from the same
+        buffer, waited for first; the tile's first two need no wait: see the caller)."""
+        if j >= 2:
+            tma.store_wait(1)
+        buf = out_smem.index(j % 2)
+        buf.store(vals)
+        fence_async_shared()
+        tma_store(desc, [row, col], buf)
+
+    @gluon.jit
+    def _swiglu_consumer(pre_ptr, act_ptr, pre_desc, act_desc, out_smem, act_scale_ptr, tile_row_ptr, tile_end_ptr,
+                         num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F, stride_pm, stride_am_out,
+                         HAS_ACT_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
+                         BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Two MMAs a step (one step in flight; the slot of the step before freed) and each tile's
+        epilogue: pre's gate and up blocks, then the activation's."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                             instr_shape=[16, HALF_N, 16])
+        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, F, HALF_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        count = 0
+        for i in range(my_tiles):
+            m, n0 = _tile_mn(pid + i * nprog, tiles_n, HALF_N)
+            row0 = gl.load(tile_row_ptr + m)
+            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            act_scale = rows  # unused without HAS_ACT_SCALE
+            if HAS_ACT_SCALE:  # in flight during the MMAs
+                act_scale = gl.load(act_scale_ptr + rows, mask=rows < row_end, other=0.0)
+            acc_g = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
+            acc_u = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
+            for kk in range(k_steps):
+                slot = count % NUM_BUF
+                phase = (count // NUM_BUF) & 1
+                mbarrier.wait(w_ready.index(slot), phase)
+                mbarrier.wait(a_ready.index(slot), phase)
+                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+                acc_g = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot), acc_g, use_acc=kk > 0,
+                                      is_async=True)
+                acc_u = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot + 1), acc_u, use_acc=kk > 0,
+                                      is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])  # the step before is done: slot free
+                barrier()  # both warpgroups', before the one arrival
+                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
+                count += 1
+            acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+            barrier()
+            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
+            gate = acc_g.to(gl.bfloat16)  # the pre-activation, rounded: the activation is computed from it
+            up = acc_u.to(gl.bfloat16)
+            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
+                tma.store_wait(0)  # the last tile's stores have read both buffers (long done by now)
+                _stage(0, gate, pre_desc, row0, n0, out_smem)
+                _stage(1, up, pre_desc, row0, F + n0, out_smem)
+                _stage(2, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), act_desc, row0, n0, out_smem)
+            else:  # the expert's last tile: its rows only
+                _store_rows(pre_ptr, gate, row0, row_end, n0, F, stride_pm, BLOCK_M, HALF_N,
+                            acc_layout)
+                _store_rows(pre_ptr, up, row0, row_end, F + n0, 2 * F, stride_pm, BLOCK_M, HALF_N,
+                            acc_layout)
+                _store_rows(act_ptr, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), row0, row_end, n0, F,
+                            stride_am_out, BLOCK_M, HALF_N, acc_layout)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _grouped_gemm_swiglu_kernel(a_ptr, gather_ptr, w_desc, pre_desc, act_desc, pre_ptr, act_ptr, act_scale_ptr,
+                                    tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, K, F, stride_am, stride_pm,
+                                    stride_am_out, HAS_GATHER: gl.constexpr, HAS_ACT_SCALE: gl.constexpr,
+                                    BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                                    NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                                    PRODUCER_REGS: gl.constexpr):
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
+        out_smem = gl.allocate_shared_memory(pre_desc.dtype, [2] + pre_desc.block_type.shape, pre_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
+            mbarrier.init(w_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
+            mbarrier.init(empty_bars.index(i), count=1)
+        gl.warp_specialize([
+            (_swiglu_consumer, (pre_ptr, act_ptr, pre_desc, act_desc, out_smem, act_scale_ptr, tile_row_ptr,
+                                tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F,
+                                stride_pm, stride_am_out, HAS_ACT_SCALE, BLOCK_M, HALF_N, BLOCK_K, NUM_BUF,
+                                NUM_WARPS)),
+            (_swiglu_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+                                w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER, BLOCK_M, HALF_N,
+                                BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,22 +335,36 @@ if gluon is not None:
 
 def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S=None, activation=None,
               act_scale_S=None, out_dtype=None) -> bool:
-    """Whether ``grouped_gemm`` with these arguments runs here: bf16 a and contiguous w [E, K, N]
-    without gather, scatter, scale or epilogue, a bf16 result, K a multiple of 64 and N of 16, on
-    an sm_90 GPU, Gluon available, the switch on (MEGATRON_MOE_GLUON_GEMM=1)."""
+    """Whether ``grouped_gemm`` with these arguments runs here: bf16 a and contiguous w [E, K, N],
+    a bf16 result, no ``scale_S``, K a multiple of 64 and N of 16; either no gather and no
+    activation (the plain kernel) or swiglu with N a multiple of 256 (the swiglu kernel); no
+    scatter; on an sm_90 GPU, Gluon available, the switch on. (GELU's epilogue and the top-1
+    scatter, both measured slower than the Triton kernel, stay there: docs/performance.md.)"""
     if not (switches.gluon_gemm() and available()):
         return False
-    if any(x is not None for x in (gather_S, scatter_S, scale_S, activation, act_scale_S)):
+    if scale_S is not None:
+        return False
+    if scatter_S is not None:
+        return False
+    if activation is None:  # the plain kernel
+        if gather_S is not None or act_scale_S is not None:
+            return False
+    elif activation != "swiglu":
         return False
     if a_MK.dtype != torch.bfloat16 or w_EKN.dtype != torch.bfloat16 or (out_dtype or a_MK.dtype) != torch.bfloat16:
         return False
     if a_MK.dim() != 2 or w_EKN.dim() != 3 or offsets_E1.dim() != 1:  # grouped_gemm's checks say what is wrong
         return False
+    for idx in (gather_S, scatter_S, act_scale_S):
+        if idx is not None and (idx.dim() != 1 or not idx.is_contiguous()):
+            return False
     if offsets_E1.shape[0] != w_EKN.shape[0] + 1 or w_EKN.shape[0] == 0:
         return False
-    S, K = a_MK.shape
-    N = w_EKN.shape[2]
+    S = gather_S.shape[0] if gather_S is not None else a_MK.shape[0]
+    K, N = a_MK.shape[1], w_EKN.shape[2]
     if min(S, K, N) == 0 or K % BLOCK_K or N % 16 or not w_EKN.is_contiguous() or w_EKN.data_ptr() % 16:
+        return False
+    if activation is not None and N % (2 * HALF_N):  # the gate's 128-column blocks inside its half
         return False
     return rows_ok(a_MK) and on_sm90(a_MK)
 
@@ -180,25 +385,48 @@ def _tile_table(offsets_E1, max_rows):
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts():
-    lay = gl.NVMMASharedLayout.get_default_for
-    return (lay([BLOCK_M, BLOCK_K], gl.bfloat16), lay([BLOCK_K, BLOCK_N], gl.bfloat16),
-            lay([BLOCK_M, BLOCK_N], gl.bfloat16))
+def _layout(rows, cols):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1):
-    """y [S, N] bf16: y[s] = a[s] @ w[e] for the sorted rows of expert e (rows past
-    offsets_E1[-1] are not written); within what :func:`supported` takes (checked there)."""
+def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=None, act_scale_S=None):
+    """``grouped_gemm``'s result (bf16; rows past offsets_E1[-1] are not written), within what
+    :func:`supported` takes (checked there, not here)."""
+    if activation == "swiglu":
+        return _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S)
     S, K = a_MK.shape
     E, _, N = w_EKN.shape
     out = torch.empty(S, N, device=a_MK.device, dtype=torch.bfloat16)
     tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
-    a_layout, w_layout, out_layout = _layouts()
-    a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], a_layout)
-    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], w_layout)
-    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], out_layout)
+    a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], _layout(BLOCK_M, BLOCK_K))
+    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _layout(BLOCK_K, BLOCK_N))
+    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], _layout(BLOCK_M, BLOCK_N))
     _grouped_gemm_gluon_kernel[(num_sms(a_MK.device),)](
         a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
         num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1))
     return out
+
+
+def _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S):
+    """The swiglu kernel's launch: (pre [S, 2F], act [S, F])."""
+    S = gather_S.shape[0] if gather_S is not None else a_MK.shape[0]
+    K = a_MK.shape[1]
+    E, _, N = w_EKN.shape
+    F = N // 2
+    dev = a_MK.device
+    pre = torch.empty(S, N, device=dev, dtype=torch.bfloat16)
+    act = torch.empty(S, F, device=dev, dtype=torch.bfloat16)
+    tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
+    half = _layout(BLOCK_M, HALF_N)
+    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, HALF_N], _layout(BLOCK_K, HALF_N))
+    pre_desc = TensorDescriptor(pre, [S, N], [N, 1], [BLOCK_M, HALF_N], half)
+    act_desc = TensorDescriptor(act, [S, F], [F, 1], [BLOCK_M, HALF_N], half)
+    _grouped_gemm_swiglu_kernel[(num_sms(dev),)](
+        a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, act_desc, pre, act,
+        act_scale_S if act_scale_S is not None else pre, tile_e, tile_row, tile_end, num_m, K, F,
+        a_MK.stride(0), pre.stride(0), act.stride(0), HAS_GATHER=gather_S is not None,
+        HAS_ACT_SCALE=act_scale_S is not None, BLOCK_M=BLOCK_M, HALF_N=HALF_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF,
+        NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=SWIGLU_PRODUCER_WARPS, PRODUCER_REGS=SWIGLU_PRODUCER_REGS,
+        num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, SWIGLU_PRODUCER_WARPS))
+    return pre, act

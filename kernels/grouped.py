@@ -922,13 +922,14 @@ def grouped_gemm(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scal
       activation 'gelu':   (pre [S, N], act_scale(s) * gelu_tanh(pre) [S, N])
       activation 'swiglu': (pre [S, N] = [gate | up], act_scale(s) * silu(gate) * up [S, N/2])
     act_scale_S (fp32 [S], default 1) multiplies the activation only, after it is computed from
-    the rounded pre-activation. On sm_90 with MEGATRON_MOE_GLUON_GEMM=1 the plain case (bf16,
-    none of the options) runs kernels/gluon_gemm.py's kernel where it applies.
+    the rounded pre-activation. On sm_90 a bf16 call without ``scale_S`` runs
+    kernels/gluon_gemm.py's kernels where they apply (MEGATRON_MOE_GLUON_GEMM=0: never).
     """
     if gluon_gemm.supported(a_MK, w_EKN, offsets_E1, gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S,
                             activation=activation, act_scale_S=act_scale_S, out_dtype=out_dtype):
         _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S)
-        return gluon_gemm.grouped_gemm_gluon(a_MK, w_EKN, offsets_E1)
+        return gluon_gemm.grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, gather_S=gather_S, activation=activation,
+                                             act_scale_S=act_scale_S)
     fn = grouped_gemm_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_reference
     return fn(a_MK, w_EKN, offsets_E1, gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S,
               activation=activation, act_scale_S=act_scale_S, out_dtype=out_dtype)

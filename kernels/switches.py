@@ -31,10 +31,10 @@
 | MEGATRON_MOE_GLUON_WGRAD | a new bf16 weight gradient runs          | 0: the Triton kernel for every weight         |
 |                         | kernels/gluon_wgrad.py's kernel on sm_90  | gradient                                      |
 |                         | where it applies (``supported``)          |                                               |
-| MEGATRON_MOE_GLUON_GEMM | off: every row-grouped GEMM runs the      | 1: a plain one (bf16, no gather, scatter,     |
-|                         | Triton kernel (not yet measured in the    | scale or epilogue: the down projection at     |
-|                         | layer)                                    | top-k > 1) runs kernels/gluon_gemm.py's on    |
-|                         |                                           | sm_90                                         |
+| MEGATRON_MOE_GLUON_GEMM | a bf16 row-grouped GEMM (the up and down  | 0: the Triton kernel for every row-grouped    |
+|                         | projections) runs kernels/gluon_gemm.py's | GEMM                                          |
+|                         | kernels on sm_90 where they apply         |                                               |
+|                         | (``supported``)                           |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -142,6 +142,5 @@ def gluon_wgrad() -> bool:
 
 
 def gluon_gemm() -> bool:
-    """MEGATRON_MOE_GLUON_GEMM == "1": a row-grouped GEMM kernels/gluon_gemm.py takes runs there
-    (opt-in until measured in the layer)."""
-    return os.environ.get("MEGATRON_MOE_GLUON_GEMM", "0") == "1"
+    """MEGATRON_MOE_GLUON_GEMM != "0": a row-grouped GEMM kernels/gluon_gemm.py takes runs there."""
+    return os.environ.get("MEGATRON_MOE_GLUON_GEMM", "1") != "0"

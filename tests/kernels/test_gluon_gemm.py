@@ -1,11 +1,11 @@
-"""The Gluon row-grouped GEMM (kernels/gluon_gemm.py): its tile table and which calls it takes on the
-CPU, and on an sm_90 GPU its results against the float64 reference.
+"""The Gluon row-grouped GEMMs (kernels/gluon_gemm.py): their tile table and which calls they take
+on the CPU, and on an sm_90 GPU their results against the float64 reference.
 
     pytest tests/kernels/test_gluon_gemm.py          # CPU: the tile table, the dispatch rules
-    pytest tests/kernels/test_gluon_gemm.py -m gpu   # sm_90: the kernel against the reference
+    pytest tests/kernels/test_gluon_gemm.py -m gpu   # sm_90: the kernels against the reference
 
 Gluon does not run under Triton's interpreter; tests/kernels/test_compile_hopper.py compiles the
-kernel for sm_90 on the CPU.
+kernels for sm_90 on the CPU.
 """
 import pytest
 import torch
@@ -50,35 +50,53 @@ def as_if_sm90(monkeypatch):
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
 
 
-def _operands(S=300, K=192, N=272, E=3):
+def _operands(S=300, K=192, N=512, E=3):
     return torch.randn(S, K).to(bf16), torch.randn(E, K, N).to(bf16), _offsets([100, 0, 200][:E])
 
 
-def test_supported_takes_the_plain_case(as_if_sm90):
+def _index(n=300):
+    return torch.randperm(n).to(torch.int32)
+
+
+@pytest.mark.parametrize("case", ["plain", "swiglu", "gather + swiglu + act_scale",
+                                  "switch unset (on by default)"])
+def test_supported_takes(as_if_sm90, monkeypatch, case):
     a, w, offsets = _operands()
-    assert GG.supported(a, w, offsets)
-    assert GG.supported(a, w, offsets, out_dtype=bf16)
+    kw = {}
+    if case == "swiglu":
+        kw = dict(activation="swiglu")
+    elif case == "gather + swiglu + act_scale":
+        kw = dict(gather_S=_index(), activation="swiglu", act_scale_S=torch.ones(300))
+    elif case == "switch unset (on by default)":
+        monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM")
+    assert GG.supported(a, w, offsets, out_dtype=bf16, **kw)
 
 
-@pytest.mark.parametrize("case", ["switch off", "switch unset (off by default)", "gather", "scatter", "scale",
-                                  "activation", "fp32", "fp32 out", "K not a multiple of 64", "N not a multiple of 16",
-                                  "transposed w", "a's rows not 16-element aligned", "no rows",
-                                  "offsets of another E"])
+@pytest.mark.parametrize("case", ["switch off", "scale", "scatter (top-1: measured slower)",
+                                  "gather without an activation", "gelu", "swiglu and scatter",
+                                  "act_scale without an activation", "unknown activation", "fp32", "fp32 out",
+                                  "K not a multiple of 64", "N not a multiple of 16",
+                                  "activation, N not a multiple of 256", "transposed w",
+                                  "a's rows not 16-element aligned", "no rows", "offsets of another E"])
 def test_supported_refuses(as_if_sm90, monkeypatch, case):
     a, w, offsets = _operands()
     kw = {}
     if case == "switch off":
         monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "0")
-    elif case == "switch unset (off by default)":
-        monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM")
-    elif case == "gather":
-        kw = dict(gather_S=torch.arange(300, dtype=torch.int32))
-    elif case == "scatter":
-        kw = dict(scatter_S=torch.arange(300, dtype=torch.int32))
     elif case == "scale":
         kw = dict(scale_S=torch.ones(300))
-    elif case == "activation":
-        kw = dict(activation="gelu")
+    elif case == "scatter (top-1: measured slower)":
+        kw = dict(scatter_S=_index())
+    elif case == "gather without an activation":
+        kw = dict(gather_S=_index())
+    elif case == "gelu":  # its epilogue measured slower than the Triton kernel's
+        kw = dict(gather_S=_index(), activation="gelu", act_scale_S=torch.ones(300))
+    elif case == "swiglu and scatter":
+        kw = dict(activation="swiglu", scatter_S=_index())
+    elif case == "act_scale without an activation":
+        kw = dict(act_scale_S=torch.ones(300))
+    elif case == "unknown activation":
+        kw = dict(activation="relu")
     elif case == "fp32":
         a, w = a.float(), w.float()
     elif case == "fp32 out":
@@ -87,8 +105,12 @@ def test_supported_refuses(as_if_sm90, monkeypatch, case):
         a, w = a[:, :160].contiguous(), w[:, :160].contiguous()
     elif case == "N not a multiple of 16":
         w = w[..., :264].contiguous()
+    elif case == "activation, N not a multiple of 256":  # the plain kernel takes N = 384, the swiglu kernel not
+        w = w[..., :384].contiguous()
+        assert GG.supported(a, w, offsets)
+        kw = dict(activation="swiglu")
     elif case == "transposed w":  # the input gradient's w1ᵀ view: the Triton kernel's
-        w = torch.randn(3, 272, 192).to(bf16).transpose(1, 2)
+        w = torch.randn(3, 512, 192).to(bf16).transpose(1, 2)
     elif case == "a's rows not 16-element aligned":
         a = torch.randn(300, 200).to(bf16)[:, :192]
     elif case == "no rows":
@@ -106,11 +128,17 @@ def test_supported_refuses_without_a_gpu(monkeypatch):
 def test_grouped_gemm_sends_what_the_kernel_takes_there(monkeypatch):
     calls = []
     monkeypatch.setattr(GG, "supported", lambda *a, **kw: True)
-    monkeypatch.setattr(GG, "grouped_gemm_gluon", lambda a, w, offsets: calls.append(offsets) or "gluon")
+    monkeypatch.setattr(GG, "grouped_gemm_gluon", lambda a, w, offsets, **kw: calls.append(kw) or "gluon")
     a, w, offsets = _operands()
-    assert G.grouped_gemm(a, w, offsets) == "gluon" and len(calls) == 1
+    token, weight = _index(), torch.ones(300)
+    assert G.grouped_gemm(a, w, offsets) == "gluon"
+    assert G.grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight) == "gluon"
+    assert calls[0] == dict(gather_S=None, activation=None, act_scale_S=None)
+    assert calls[1]["gather_S"] is token and calls[1]["activation"] == "swiglu" and calls[1]["act_scale_S"] is weight
     with pytest.raises(ValueError, match="columns"):  # the Triton path's checks run first
         G.grouped_gemm(a[:, :128], w, offsets)
+    with pytest.raises(ValueError, match="gather_S"):
+        G.grouped_gemm(a, w, offsets, gather_S=token.float())
 
 
 def test_grouped_gemm_bad_shapes_get_its_own_error(as_if_sm90):
@@ -120,15 +148,20 @@ def test_grouped_gemm_bad_shapes_get_its_own_error(as_if_sm90):
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel (GPU)
+# The kernels (GPU)
 # ----------------------------------------------------------------------------------------------
 
 CASES = {  # K, N, rows per expert
-    "empty experts, partial tiles and a partial column tile": (192, 272, [0, 100, 0, 200]),
+    "empty experts, partial tiles": (192, 512, [0, 100, 0, 200]),
     "all rows to one expert": (128, 256, [0, 256, 0]),
-    "rows not a multiple of 128, short and long experts": (768, 528, [130, 1, 63, 64, 65, 677]),
+    "rows not a multiple of 128, short and long experts": (768, 768, [130, 1, 63, 64, 65, 677]),
     "every tile full": (256, 512, [128, 128, 256]),
-    "no expert with rows": (64, 64, [0, 0, 0]),
+    "no expert with rows": (64, 256, [0, 0, 0]),
+}
+VARIANTS = {  # grouped_gemm's options: gather, activation, act_scale
+    "plain": (False, None, False),
+    "gather + swiglu + act_scale (up projection)": (True, "swiglu", True),
+    "swiglu, sorted rows": (False, "swiglu", False),
 }
 
 
@@ -136,24 +169,50 @@ def _on_gpu_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GG.available()
 
 
+def _close(got, want, what):
+    """bf16's rounding of each value (at most 2^-8 of it) and the fp32 sums' order (1e-4 of the largest)."""
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2.0 ** -8 + 1e-4 * (want.abs().max().item() if want.numel() else 0.0)
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e}, {(err > bound).sum().item()} over"
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_gemm_matches_float64_reference(case, monkeypatch):
+def test_gluon_gemm_matches_float64_reference(case, variant, monkeypatch):
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
     K, N, counts = CASES[case]
+    gather, activation, act_scale = VARIANTS[variant]
     gen = torch.Generator().manual_seed(2)
     offsets = _offsets(counts, "cuda")
     S = sum(counts)
-    a = torch.randn(S + 9, K, generator=gen).to(bf16).cuda()  # 9 padding rows past the last expert
+    # the sorted a: 9 padding rows past the last expert (their output rows are not written); a
+    # gathered a: 40 source rows (repeats, as top-k > 1 has), read in a random order
+    a = torch.randn(40 if gather else S + 9, K, generator=gen).to(bf16).cuda()
     w = torch.randn(len(counts), K, N, generator=gen).to(bf16).cuda()
-    assert GG.supported(a, w, offsets), "the Gluon kernel must take this call"
-    got = G.grouped_gemm(a, w, offsets)
-    want = G.grouped_gemm_reference(a[:S], w, offsets, out_dtype=torch.float64)
-    assert got.dtype == bf16 and got.shape == (S + 9, N)
-    got = got[:S]  # the padding rows are not written
-    # bf16's rounding of each sum (at most 2^-8 of it) and the fp32 sums' order (1e-4 of the largest)
-    err = (got.double() - want).abs()
-    bound = want.abs() * 2.0 ** -8 + 1e-4 * want.abs().max().item()
-    assert (err <= bound).all(), f"max error {err.max().item():.3e}, {(err > bound).sum().item()} elements over"
+    kw = {}
+    if gather:
+        kw["gather_S"] = torch.randint(0, 40, (S,), generator=gen).to(torch.int32).cuda()
+    if activation:
+        kw["activation"] = activation
+    if act_scale:
+        kw["act_scale_S"] = torch.rand(S, generator=gen).cuda()
+    if S == 0 and gather:  # no rows to gather: the Triton launcher's (it launches nothing)
+        assert not GG.supported(a, w, offsets, **kw)
+        assert all(t.shape == (0, n) for t, n in zip(G.grouped_gemm(a, w, offsets, **kw), (N, N // 2)))
+        return
+    assert GG.supported(a, w, offsets, **kw), "the Gluon kernel must take this call"
+    got = G.grouped_gemm(a, w, offsets, **kw)
+    got = (got,) if activation is None else got
+    rows = S if gather else S + 9
+    assert all(g.dtype == bf16 and g.shape[0] == rows for g in got)
+    a_cpu = a.cpu() if gather else a[:S].cpu()
+    cpu = {k: v.cpu() for k, v in kw.items() if k not in ("activation", "act_scale_S")}
+    want = G.grouped_gemm_reference(a_cpu, w.cpu(), offsets.cpu(), out_dtype=torch.float64, **cpu)  # pre-activation
+    _close(got[0][:S].cpu(), want, f"{variant}, {'pre' if activation else 'out'}")
+    if activation:  # of the kernel's own rounded pre-activation (the epilogue's tanh: 2^-11)
+        scale = kw["act_scale_S"].cpu().double() if act_scale else None
+        want_act = G._activation_reference(got[0][:S].cpu().double(), activation, scale, torch.float64)
+        _close(got[1][:S].cpu(), want_act, f"{variant}, act")
