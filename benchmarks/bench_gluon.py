@@ -8,10 +8,9 @@ the weight gradient (kernels/gluon_wgrad.py) and the row-grouped GEMM's up and d
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
-(gather on b). Up projections: pre[s] = x[t(s)] @ w1[e] with swiglu times the router weight
-in the epilogue (the tokens t(s) in a random order). Down projections: y[s] = wact[s] @
-w2[e], sorted rows. Median of ``triton.testing.do_bench``;
-TFLOP/s = 2 S K N / time. Correctness: tests/kernels/test_gluon_*.py
+(gather on b). Up projections: pre[s] = x[t(s)] @ w1[e] with swiglu times the router weight in
+the epilogue (the tokens t(s) in a random order). Down projections: y[s] = wact[s] @ w2[e],
+sorted rows. Median of ``triton.testing.do_bench``; TFLOP/s = 2 S K N / time. Correctness: tests/kernels/test_gluon_*.py
 (run them first: ``pytest tests/kernels/test_gluon_wgrad.py tests/kernels/test_gluon_gemm.py -m gpu``).
 """
 from __future__ import annotations
@@ -25,16 +24,15 @@ WGRAD_SHAPES = {  # name: (rows S = tokens x top-k, experts E, K, N, the gathere
     "sonic-1536 dw2": (262144, 128, 256, 1536, "b"),
     "dmoe-small dw1": (32768, 64, 768, 3072, "a"), "dmoe-small dw2": (32768, 64, 3072, 768, "b"),
 }
-GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation, scattered)
-    # (the top-1 down projection, scattered, "dmoe-small down": (32768, 64, 3072, 768, 0, None, True), measured
-    # 0.489 ms against the Triton kernel's 0.246 on 2026-12-02 and left to it; supported() refuses it now)
-    "qwen3 up": (131072, 128, 2048, 1536, 16384, "swiglu", False),
-    "olmoe up": (131072, 64, 2048, 2048, 16384, "swiglu", False),
-    "sonic-1536 up": (262144, 128, 1536, 512, 32768, "swiglu", False),
-    "sonic-4096 up": (131072, 64, 4096, 2048, 32768, "swiglu", False),
-    "qwen3 down": (131072, 128, 768, 2048, 0, None, False), "olmoe down": (131072, 64, 1024, 2048, 0, None, False),
-    "sonic-1536 down": (262144, 128, 256, 1536, 0, None, False),
-    "sonic-4096 down": (131072, 64, 1024, 4096, 0, None, False),
+GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation)
+    # (the top-1 down projection, scattered, (32768, 64, 3072, 768) at dmoe-small, measured 0.489 ms
+    # against the Triton kernel's 0.246 on 2026-12-02 and was left to it: supported() refuses a scatter)
+    "qwen3 up": (131072, 128, 2048, 1536, 16384, "swiglu"),
+    "olmoe up": (131072, 64, 2048, 2048, 16384, "swiglu"),
+    "sonic-1536 up": (262144, 128, 1536, 512, 32768, "swiglu"),
+    "sonic-4096 up": (131072, 64, 4096, 2048, 32768, "swiglu"),
+    "qwen3 down": (131072, 128, 768, 2048, 0, None), "olmoe down": (131072, 64, 1024, 2048, 0, None),
+    "sonic-1536 down": (262144, 128, 256, 1536, 0, None), "sonic-4096 down": (131072, 64, 1024, 4096, 0, None),
 }
 
 
@@ -70,7 +68,7 @@ def main(argv=None) -> None:
         rows.append(dict(kind="wgrad", shape=name, rows=S, experts=E, K=K, N=N, gather=side, ms=ms, tflops=tflops))
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
-    for name, (S, E, K, N, T, act, scatter) in GEMM_SHAPES.items():
+    for name, (S, E, K, N, T, act) in GEMM_SHAPES.items():
         offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
         a = torch.randn(T or S, K, device=device, dtype=torch.bfloat16)
         w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16)
@@ -79,8 +77,6 @@ def main(argv=None) -> None:
             kw.update(gather_S=torch.randint(0, T, (S,), device=device, dtype=torch.int32))
         if act:
             kw.update(activation=act, act_scale_S=torch.rand(S, device=device))
-        if scatter:
-            kw.update(scatter_S=torch.randperm(S, device=device).to(torch.int32))
         assert gluon_gemm.supported(a, w, offsets, **kw), f"{name}: the Gluon kernel does not take this shape"
         a_sorted = a[kw["gather_S"]] if T else a
         ms = {
@@ -89,8 +85,8 @@ def main(argv=None) -> None:
             "cutlass": triton.testing.do_bench(lambda: torch._grouped_mm(a_sorted, w, offs=offsets[1:])),
         }
         tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
-        rows.append(dict(kind="gemm", shape=name, rows=S, experts=E, K=K, N=N, gather=bool(T), activation=act,
-                         scatter=scatter, ms=ms, tflops=tflops))
+        rows.append(dict(kind="gemm", shape=name, rows=S, experts=E, K=K, N=N, gather=bool(T), activation=act, ms=ms,
+                         tflops=tflops))
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
     if args.out:

@@ -342,9 +342,7 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
     scatter, both measured slower than the Triton kernel, stay there: docs/performance.md.)"""
     if not (switches.gluon_gemm() and available()):
         return False
-    if scale_S is not None:
-        return False
-    if scatter_S is not None:
+    if scale_S is not None or scatter_S is not None:
         return False
     if activation is None:  # the plain kernel
         if gather_S is not None or act_scale_S is not None:
@@ -355,7 +353,7 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
         return False
     if a_MK.dim() != 2 or w_EKN.dim() != 3 or offsets_E1.dim() != 1:  # grouped_gemm's checks say what is wrong
         return False
-    for idx in (gather_S, scatter_S, act_scale_S):
+    for idx in (gather_S, act_scale_S):
         if idx is not None and (idx.dim() != 1 or not idx.is_contiguous()):
             return False
     if offsets_E1.shape[0] != w_EKN.shape[0] + 1 or w_EKN.shape[0] == 0:
