@@ -45,8 +45,12 @@ class _OpLog(TorchDispatchMode):
 @contextlib.contextmanager
 def _count_triton(names: list[str], log: _OpLog):
     """Appends each Triton kernel launched inside the block to ``names``; ``log`` ignores the
-    torch ops the launch itself makes (the interpreter's copies on the CPU)."""
+    torch ops the launch itself makes (the interpreter's copies on the CPU). Fast launches
+    (kernels/launcher.py) are off inside: they skip ``JITFunction.run``, where the count is taken."""
     from triton.runtime import interpreter, jit
+
+    fast = os.environ.get("MEGATRON_MOE_FAST_LAUNCH")
+    os.environ["MEGATRON_MOE_FAST_LAUNCH"] = "0"
 
     patched = []
     for cls in (jit.JITFunction, interpreter.InterpretedFunction):
@@ -67,6 +71,10 @@ def _count_triton(names: list[str], log: _OpLog):
     finally:
         for cls, run in patched:
             cls.run = run
+        if fast is None:
+            del os.environ["MEGATRON_MOE_FAST_LAUNCH"]
+        else:
+            os.environ["MEGATRON_MOE_FAST_LAUNCH"] = fast
 
 
 def count(fn) -> dict:

@@ -5,6 +5,7 @@
     python benchmarks/profile_layer.py --providers torch_grouped_mm --no-gemms  # only the step profile
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
     python benchmarks/profile_layer.py --cprofile --providers triton_grouped   # host Python time per function
+    python benchmarks/profile_layer.py --host --providers triton_grouped    # host ms per step, fast launch on / off
     python benchmarks/profile_layer.py --order --configs qwen3-30b-a3b --providers sonicmoe,triton_grouped
                                                  # one step's kernels in launch order, then exit
     python benchmarks/profile_layer.py --configs dmoe-small --no-profile --no-sweep --skew 0.9 \
@@ -360,11 +361,28 @@ def launch_overhead(device, n=200):
     meta = dict(EPILOGUE="none", HAS_GATHER=True, HAS_SCATTER=False, HAS_SCALE=False, HAS_ACT_SCALE=False,
                 DOT_PRECISION="tf32", FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT, W_TMA=False)
     grid = (G.max_row_blocks(T, E, cfg.kwargs["BLOCK_M"]) * triton.cdiv(F, cfg.kwargs["BLOCK_N"]),)
+    from megatron_moe.router import mm_f32
+
+    xr = torch.randn(16384, 1024, device=device, dtype=torch.bfloat16)
+    wr = torch.randn(64, 1024, device=device, dtype=torch.bfloat16)
+
+    def public_fast_off():
+        os.environ["MEGATRON_MOE_FAST_LAUNCH"] = "0"
+        try:
+            G.grouped_gemm(x, w, off, gather_S=tok)
+        finally:
+            del os.environ["MEGATRON_MOE_FAST_LAUNCH"]
+
     calls = {
         "grouped_gemm (public)": lambda: G.grouped_gemm(x, w, off, gather_S=tok),
+        "grouped_gemm (public, fast launch off)": public_fast_off,
         "autotuned kernel[grid]": lambda: G._grouped_gemm_kernel[grid](*direct_args(), **meta),
         "jit kernel.fn[grid] + config": lambda: G._grouped_gemm_kernel.fn[grid](
             *direct_args(), **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        "compiled kernel.run (no binder)": _direct_run(G._grouped_gemm_kernel.fn, grid, direct_args(),
+                                                       {**meta, **cfg.all_kwargs()}, device),
+        "router mm_f32 [16384,1024]x[1024,64]": lambda: mm_f32(xr, wr.t()),
+        "torch.mm bf16, same shapes": lambda: torch.mm(xr, wr.t()),
         "torch.empty (reference op)": lambda: torch.empty(T, F, device=device),
         "torch add (reference op)": lambda: x.add(x),
     }
@@ -380,6 +398,59 @@ def launch_overhead(device, n=200):
         torch.cuda.synchronize()
         print(f"  launch {name:<32} {rows[name]:8.1f} us/call (host)", flush=True)
     return rows
+
+
+def _direct_run(fn, grid, args, kwargs, device):
+    """The launch below Triton's JIT: the compiled kernel's own launcher, its arguments bound once
+    (what a launch path that skips the binder, the cache key and the checks would cost)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    kernel = fn[grid](*args, **kwargs)
+    binder = fn.device_caches[driver.active.get_current_device()][4]
+    values = list(binder(*args, **kwargs)[0].values())
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+
+    def run():
+        stream = driver.active.get_current_stream(device.index or 0)
+        kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, None, knobs.runtime.launch_enter_hook,
+                   knobs.runtime.launch_exit_hook, *values)
+    return run
+
+
+def host_ab(provider, cname, shape, device, reps=15, steps=5):
+    """Host milliseconds to enqueue one step with fast launches on and off (kernels/launcher.py),
+    interleaved in one process: the GPU is held by a sleep kernel first, so the enqueue never
+    waits for it; medians over ``reps`` rounds of ``steps`` steps each."""
+    step, model, x = make_step(provider, shape, device)
+    var = "MEGATRON_MOE_FAST_LAUNCH"
+    before = os.environ.get(var)
+    times = {"1": [], "0": []}
+    try:
+        for setting in ("1", "0", "1"):  # warm-up: tuning, compiles, each key's first launch
+            os.environ[var] = setting
+            step()
+        for _ in range(reps):
+            for setting in ("1", "0"):
+                os.environ[var] = setting
+                torch.cuda.synchronize()
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: longer than the steps' enqueue
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                times[setting].append((time.perf_counter() - t0) / steps * 1e3)
+        torch.cuda.synchronize()
+    finally:
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"[{cname}] {provider}: host ms/step fast launch on {med['1']:.3f}, off {med['0']:.3f} "
+          f"(min {min(times['1']):.3f} / {min(times['0']):.3f}; {reps} rounds of {steps} steps)", flush=True)
+    del model, x, step
+    torch.cuda.empty_cache()
+    return med
 
 
 def host_profile(provider, cname, shape, device, steps=50, top=25):
@@ -432,6 +503,8 @@ def main(argv=None):
     ap.add_argument("--launch", action="store_true", help="host time per kernel launch, then exit")
     ap.add_argument("--order", action="store_true",
                     help="one step's kernels in launch order (median of 5 profiled steps), then exit")
+    ap.add_argument("--host", action="store_true",
+                    help="host time per step with fast launches on and off (the GPU held busy), then exit")
     ap.add_argument("--cprofile", action="store_true",
                     help="host Python time of the providers' steps (cProfile, top functions), then exit")
     args = ap.parse_args(argv)
@@ -446,6 +519,11 @@ def main(argv=None):
                 print(f"== {cname} {prov}")
                 for i, ms, name in kernel_order(prov, CONFIGS[cname], device):
                     print(f"  {i:3d} {ms:7.3f}  {name[:150]}", flush=True)
+        return
+    if args.host:
+        for cname in args.configs.split(","):
+            for prov in providers:
+                host_ab(prov, cname, CONFIGS[cname], device)
         return
     if args.cprofile:
         for cname in args.configs.split(","):

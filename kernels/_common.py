@@ -1,6 +1,7 @@
 """Shared helpers of the Triton kernels: when to launch Triton, the tile product, small index math."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -11,6 +12,13 @@ import triton.language as tl
 def interpret_mode() -> bool:
     """True when Triton runs its kernels on the CPU (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once per process (torch's query costs host time
+    at every launch that asks)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -26,6 +34,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0), as ``triton.next_power_of_2``, which in
+    Triton 3.6 is a constexpr function whose host call costs microseconds."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def expert_segments(offsets_E1: torch.Tensor) -> list[tuple[int, int, int]]:

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from ._common import capability
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -31,13 +33,8 @@ def available() -> bool:
     return gluon is not None and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def on_sm90(t: torch.Tensor) -> bool:
-    return t.is_cuda and _capability(t.device.index) == (9, 0)
+    return t.is_cuda and capability(t.device.index) == (9, 0)
 
 
 def rows_ok(t: torch.Tensor) -> bool:

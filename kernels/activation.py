@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, interpret_mode, use_triton
+from .launcher import launch
 
 ACTIVATIONS = ("gelu", "swiglu")
 """The activations every path supports; the one list (MoEConfig and the model config use it)."""
@@ -198,11 +199,9 @@ def activation_backward_triton_(h_NX, dact_NF, activation):
     N, F_ = dact_NF.shape
     if N and F_:
         BLOCK_N, BLOCK_F = (4, 16) if interpret_mode() else (8, 256)
-        _activation_backward_kernel[(cdiv(N, BLOCK_N), cdiv(F_, BLOCK_F))](
-            h_NX, dact_NF, N, F_,
-            h_NX.stride(0), h_NX.stride(1), dact_NF.stride(0), dact_NF.stride(1),
-            ACTIVATION=activation, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F,
-        )
+        launch(_activation_backward_kernel, (cdiv(N, BLOCK_N), cdiv(F_, BLOCK_F)),
+               (h_NX, dact_NF, N, F_, h_NX.stride(0), h_NX.stride(1), dact_NF.stride(0), dact_NF.stride(1)),
+               dict(ACTIVATION=activation, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F))
     return dact_NF
 
 

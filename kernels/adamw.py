@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, use_triton
+from .launcher import launch
 
 BLOCK = 1024  # elements per program: one 16-byte access per array per thread at 8 warps
 NUM_WARPS = 8
@@ -236,9 +237,9 @@ def adamw_prepare(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
                 raise ValueError(f"adamw_step_: grad_scale must be a scalar tensor on {device}, got "
                                  f"shape {tuple(grad_scale.shape)} on {grad_scale.device}")
             grad_scale = grad_scale.reshape(1).to(torch.float32)
-        _adamw_kernel[(block_map.num_blocks,)](addrs, hyp, block_map.param_B, block_map.start_B,
-                                               grad_scale if grad_scale is not None else hyp,
-                                               HAS_SCALE=grad_scale is not None, **meta)
+        launch(_adamw_kernel, (block_map.num_blocks,),
+               (addrs, hyp, block_map.param_B, block_map.start_B, grad_scale if grad_scale is not None else hyp),
+               dict(HAS_SCALE=grad_scale is not None, **meta))
 
     return AdamWLaunch(run, block_map)
 
@@ -257,10 +258,10 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     ``block`` (elements per program) and ``num_warps``: launch shape (benchmarks/bench_adamw.py).
     :func:`adamw_prepare` then ``.run(grad_scale)`` is the same in two halves.
     """
-    launch = adamw_prepare(params, grads, exp_avgs, exp_avg_sqs, hyper, copies=copies, block_map=block_map,
-                           block=block, num_warps=num_warps)
-    launch.run(grad_scale)
-    return launch.block_map
+    prepared = adamw_prepare(params, grads, exp_avgs, exp_avg_sqs, hyper, copies=copies, block_map=block_map,
+                             block=block, num_warps=num_warps)
+    prepared.run(grad_scale)
+    return prepared.block_map
 
 
 # ----------------------------------------------------------------------------- reference

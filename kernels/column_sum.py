@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 from .activation import gelu_and_grad, gelu_and_grad_reference
+from ._common import cdiv
+from .launcher import launch
 
 # (BLOCK_M, BLOCK_N, warps, programs in all): one fixed config, the fastest of
 # benchmarks/bench_column_sum.py's sweep over gpt-small's bias shapes on an H200
@@ -70,17 +72,18 @@ def _launch(x_MN, out_dtype, h_MN, dh_MN, block_m, block_n, num_warps, programs)
     M, N = x_MN.shape
     if M == 0 or N == 0:
         return torch.zeros(N, dtype=out_dtype, device=x_MN.device)
-    col_blocks = triton.cdiv(N, block_n)
-    rows_per_program = triton.cdiv(triton.cdiv(M, max(1, programs // col_blocks)), block_m) * block_m
-    P = triton.cdiv(M, rows_per_program)
+    col_blocks = cdiv(N, block_n)
+    rows_per_program = cdiv(cdiv(M, max(1, programs // col_blocks)), block_m) * block_m
+    P = cdiv(M, rows_per_program)
     part_PN = torch.empty((P, N), dtype=torch.float32, device=x_MN.device)
     dgelu = h_MN is not None
-    _column_sum_kernel[(col_blocks, P)](x_MN, part_PN, h_MN if dgelu else x_MN, dh_MN if dgelu else x_MN,
-                                        M, N, x_MN.stride(0), rows_per_program,
-                                        DGELU=dgelu, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    launch(_column_sum_kernel, (col_blocks, P),
+           (x_MN, part_PN, h_MN if dgelu else x_MN, dh_MN if dgelu else x_MN, M, N, x_MN.stride(0), rows_per_program),
+           dict(DGELU=dgelu, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
     out_N = torch.empty(N, dtype=out_dtype, device=x_MN.device)
-    _column_sum_finish_kernel[(triton.cdiv(N, FINISH_BLOCK_N),)](part_PN, out_N, P, N, BLOCK_N=FINISH_BLOCK_N,
-                                                                  num_warps=4)
+    launch(_column_sum_finish_kernel, (cdiv(N, FINISH_BLOCK_N),),
+           (part_PN, out_N, P, N),
+           dict(BLOCK_N=FINISH_BLOCK_N, num_warps=4))
     return out_N
 
 

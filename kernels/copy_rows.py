@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpret_mode, use_triton
+from ._common import cdiv, interpret_mode, next_power_of_2, use_triton
+from .launcher import launch
 
 # ----------------------------------------------------------------------------------------------
 # Configuration (a copy: no autotuning; rows x columns per program sized for 16-byte accesses)
@@ -30,7 +31,7 @@ BLOCK_R = 16
 def _block_h(H: int) -> int:
     if interpret_mode():
         return 16
-    return min(1024, triton.next_power_of_2(H))
+    return min(1024, next_power_of_2(H))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,9 +86,9 @@ def copy_row_blocks(src: torch.Tensor, dst: torch.Tensor, counts_B: torch.Tensor
         copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0, dst_row0)
         return
     grid = (cdiv(block_rows, BLOCK_R), B)
-    _copy_row_blocks_kernel[grid](src, dst, counts_B, block_rows, H, src_row0, dst_row0,
-                                  src.stride(0), dst.stride(0), BLOCK_R=BLOCK_R, BLOCK_H=_block_h(H),
-                                  num_warps=4)
+    launch(_copy_row_blocks_kernel, grid,
+           (src, dst, counts_B, block_rows, H, src_row0, dst_row0, src.stride(0), dst.stride(0)),
+           dict(BLOCK_R=BLOCK_R, BLOCK_H=_block_h(H), num_warps=4))
 
 
 # ----------------------------------------------------------------------------------------------

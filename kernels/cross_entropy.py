@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import use_triton
+from ._common import next_power_of_2, use_triton
+from .launcher import launch
 
 
 def _block_v(V: int) -> int:
-    return min(4096, triton.next_power_of_2(max(V, 16)))
+    return min(4096, next_power_of_2(max(V, 16)))
 
 
 @triton.jit
@@ -89,8 +90,9 @@ def cross_entropy_fwd_triton(logits_TV, labels_T):
     loss_T = torch.empty(T, device=logits_TV.device, dtype=torch.float32)
     stats_T2 = torch.empty(T, 2, device=logits_TV.device, dtype=torch.float32)
     if T:
-        _cross_entropy_fwd_kernel[(T,)](logits_TV, labels_T.contiguous(), loss_T, stats_T2, V, logits_TV.stride(0),
-                                        BLOCK_V=_block_v(V), num_warps=8)
+        launch(_cross_entropy_fwd_kernel, (T,),
+               (logits_TV, labels_T.contiguous(), loss_T, stats_T2, V, logits_TV.stride(0)),
+               dict(BLOCK_V=_block_v(V), num_warps=8))
     return loss_T, stats_T2
 
 
@@ -100,9 +102,10 @@ def cross_entropy_bwd_triton(logits_TV, labels_T, stats_T2, dloss_T, inplace=Fal
         logits_TV, inplace = logits_TV.contiguous(), True  # a private copy may be overwritten
     dlogits_TV = logits_TV if inplace else torch.empty_like(logits_TV)
     if T:
-        _cross_entropy_bwd_kernel[(T,)](logits_TV, dlogits_TV, labels_T.contiguous(), stats_T2.contiguous(),
-                                        dloss_T.contiguous(), V, logits_TV.stride(0), dlogits_TV.stride(0),
-                                        BLOCK_V=_block_v(V), num_warps=8)
+        launch(_cross_entropy_bwd_kernel, (T,),
+               (logits_TV, dlogits_TV, labels_T.contiguous(), stats_T2.contiguous(), dloss_T.contiguous(), V,
+                logits_TV.stride(0), dlogits_TV.stride(0)),
+               dict(BLOCK_V=_block_v(V), num_warps=8))
     return dlogits_TV
 
 

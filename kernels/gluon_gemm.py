@@ -44,12 +44,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from . import switches
+from ._common import cdiv
 from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
                      maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
                      warpgroup_mma_wait)
+from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
@@ -375,7 +376,7 @@ def _tile_table(offsets_E1, max_rows):
     bounds = offsets_E1.long()
     m_tiles = (bounds[1:] - bounds[:-1] + BLOCK_M - 1) // BLOCK_M
     ends = torch.cumsum(m_tiles, 0)  # each expert's tiles end here
-    tile = torch.arange(triton.cdiv(max_rows, BLOCK_M) + E, device=offsets_E1.device)
+    tile = torch.arange(cdiv(max_rows, BLOCK_M) + E, device=offsets_E1.device)
     tile_e = torch.searchsorted(ends, tile, right=True).clamp_max(E - 1)  # past the last tile: unused
     tile_row = bounds[tile_e] + (tile - (ends - m_tiles)[tile_e]) * BLOCK_M
     return (tile_e.to(torch.int32), tile_row.to(torch.int32), bounds[tile_e + 1].to(torch.int32),
@@ -399,10 +400,10 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
     a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], _layout(BLOCK_M, BLOCK_K))
     w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _layout(BLOCK_K, BLOCK_N))
     out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], _layout(BLOCK_M, BLOCK_N))
-    _grouped_gemm_gluon_kernel[(num_sms(a_MK.device),)](
-        a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1))
+    launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),),
+           (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0)),
+           dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
+                num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
     return out
 
 
@@ -420,11 +421,12 @@ def _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S):
     w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, HALF_N], _layout(BLOCK_K, HALF_N))
     pre_desc = TensorDescriptor(pre, [S, N], [N, 1], [BLOCK_M, HALF_N], half)
     act_desc = TensorDescriptor(act, [S, F], [F, 1], [BLOCK_M, HALF_N], half)
-    _grouped_gemm_swiglu_kernel[(num_sms(dev),)](
-        a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, act_desc, pre, act,
-        act_scale_S if act_scale_S is not None else pre, tile_e, tile_row, tile_end, num_m, K, F,
-        a_MK.stride(0), pre.stride(0), act.stride(0), HAS_GATHER=gather_S is not None,
-        HAS_ACT_SCALE=act_scale_S is not None, BLOCK_M=BLOCK_M, HALF_N=HALF_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF,
-        NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=SWIGLU_PRODUCER_WARPS, PRODUCER_REGS=SWIGLU_PRODUCER_REGS,
-        num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, SWIGLU_PRODUCER_WARPS))
+    launch(_grouped_gemm_swiglu_kernel, (num_sms(dev),),
+           (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, act_desc, pre, act,
+            act_scale_S if act_scale_S is not None else pre, tile_e, tile_row, tile_end, num_m, K, F, a_MK.stride(0),
+            pre.stride(0), act.stride(0)),
+           dict(HAS_GATHER=gather_S is not None, HAS_ACT_SCALE=act_scale_S is not None, BLOCK_M=BLOCK_M, HALF_N=HALF_N,
+                BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=SWIGLU_PRODUCER_WARPS,
+                PRODUCER_REGS=SWIGLU_PRODUCER_REGS, num_warps=NUM_WARPS,
+                maxnreg=maxnreg(NUM_WARPS, SWIGLU_PRODUCER_WARPS)))
     return pre, act

@@ -36,11 +36,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from . import switches
+from ._common import cdiv
 from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
                      maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_store, warpgroup_mma, warpgroup_mma_wait)
+from .launcher import launch
 
 BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF = 128, 256, 64, 3
 NUM_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 80
@@ -245,13 +246,11 @@ def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=N
     K, N = a_MK.shape[1], b_MN.shape[1]
     out = torch.empty(E, K, N, device=a_MK.device, dtype=torch.bfloat16)
     out_desc = TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # out as [E * K, N]
-    tiles = E * (K // BLOCK_K) * triton.cdiv(N, BLOCK_N)
-    _grouped_wgrad_gluon_kernel[(min(tiles, num_sms(a_MK.device)),)](
-        a_MK, b_MN, out_desc, gather_a_S if gather_a_S is not None else offsets_E1,
-        gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1,
-        E, K, N, a_MK.stride(0), b_MN.stride(0),
-        HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None,
-        BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
-        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
-        maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS))
+    tiles = E * (K // BLOCK_K) * cdiv(N, BLOCK_N)
+    launch(_grouped_wgrad_gluon_kernel, (min(tiles, num_sms(a_MK.device)),),
+           (a_MK, b_MN, out_desc, gather_a_S if gather_a_S is not None else offsets_E1,
+            gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1, E, K, N, a_MK.stride(0), b_MN.stride(0)),
+           dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, BLOCK_K=BLOCK_K,
+                BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS)))
     return out

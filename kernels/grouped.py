@@ -48,8 +48,9 @@ try:  # host-side TMA descriptors and their reduce-add (Triton 3.4+); without th
 except (ImportError, AttributeError):
     TensorDescriptor, _HAS_TMA_ADD = None, False
 
-from . import gluon_gemm, gluon_wgrad, switches, tuning
-from ._common import cdiv, dot, expert_segments, input_precision, interpret_mode, use_triton
+from . import gluon_gemm, gluon_wgrad, launcher, switches, tuning
+from ._common import (capability, cdiv, dot, expert_segments, input_precision, interpret_mode, next_power_of_2,
+                      use_triton)
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
                          gelu_bwd, pre_width_factor, swiglu_bwd)
 from .metadata import max_row_blocks
@@ -586,38 +587,60 @@ def clear_tuning_cache() -> None:
     launches tune again, e.g. after a change of a kernel's ``configs``, unless a config tuned under
     the same kernel, candidates and switches is kept on disk (kernels/tuning.py)."""
     _TUNED.clear()
+    _HOT.clear()
     _grouped_gemm_kernel.cache.clear()
     _grouped_wgrad_kernel.cache.clear()
 
 
-def _launch(kernel, grid, args, meta, tune_key):
+# (kernel, tune key, the arguments' specialisation, meta) -> (its config, the launch's keywords)
+_HOT: dict = {}
+
+
+def _launch(kernel, grid, args, meta, tune_key, hook_args):
     """``kernel[grid](*args, **meta)``: through the autotuner the first time per key (unless an
-    earlier process stored its choice: kernels/tuning.py), then directly."""
+    earlier process stored its choice: kernels/tuning.py), then with the chosen config through
+    kernels/launcher.py (the compiled kernel's own launcher after its first launch). The config's
+    pre-hook sees ``hook_args`` (the arguments it reads) and the launch's keywords."""
     if interpret_mode():
         kernel[grid](*args, **meta)
         return
+    hot_key = (kernel.fn.__name__, tune_key, launcher.arg_key(args), tuple(meta.items()))  # our arguments: all keyed
+    hot = _HOT.get(hot_key)
+    if hot is None:
+        cfg = _config(kernel, grid, args, meta, tune_key)
+        if cfg is None:  # the autotuner chose and launched
+            return
+        hot = _HOT[hot_key] = (cfg, {**meta, **cfg.all_kwargs()})
+    cfg, kwargs = hot
+    if cfg.pre_hook is not None:  # as the autotuner does before each launch
+        cfg.pre_hook({**hook_args, **kwargs})
+    launcher.launch(kernel.fn, grid, args, kwargs, key=hot_key)
+
+
+def _config(kernel, grid, args, meta, tune_key):
+    """The config of a launch key: this process's earlier choice, a stored one, or (None) the
+    autotuner's, which has then launched the kernel."""
     dtypes = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
     key = (kernel.fn.__name__, tune_key, dtypes, tuple(meta.items()))
     cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    cfg = tuning.stored_config(kernel, key[1:], device)
     if cfg is None:
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        cfg = tuning.stored_config(kernel, key[1:], device)
-        if cfg is None:
-            tuned_before, start = len(kernel.cache), time.perf_counter()
-            tuning.precompile(kernel, args, meta)  # the candidates compiled in parallel first
-            kernel[grid](*args, **meta)
-            cfg = getattr(kernel, "best_config", None)
-            if cfg is not None:
-                _TUNED[key] = cfg
-                tuned_s = time.perf_counter() - start if len(kernel.cache) > tuned_before else None
-                tuning.remember(kernel, key[1:], device, cfg, tuned_s, label=f"K={tune_key[0]} N={tune_key[1]} "
-                                + " ".join(f"{k}={v}" for k, v in meta.items() if isinstance(v, str)))
-            return
-        _TUNED[key] = cfg
-        kernel.best_config = cfg  # as after tuning (benchmarks/profile_layer.py reads it)
-    if cfg.pre_hook is not None:  # as the autotuner does before each launch
-        cfg.pre_hook({**dict(zip(kernel.arg_names, args)), **meta, **cfg.all_kwargs()})
-    kernel.fn[grid](*args, **meta, **cfg.all_kwargs())
+        tuned_before, start = len(kernel.cache), time.perf_counter()
+        tuning.precompile(kernel, args, meta)  # the candidates compiled in parallel first
+        kernel[grid](*args, **meta)
+        cfg = getattr(kernel, "best_config", None)
+        if cfg is not None:
+            _TUNED[key] = cfg
+            tuned_s = time.perf_counter() - start if len(kernel.cache) > tuned_before else None
+            tuning.remember(kernel, key[1:], device, cfg, tuned_s, label=f"K={tune_key[0]} N={tune_key[1]} "
+                            + " ".join(f"{k}={v}" for k, v in meta.items() if isinstance(v, str)))
+        return None
+    _TUNED[key] = cfg
+    kernel.best_config = cfg  # as after tuning (benchmarks/profile_layer.py reads it)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -654,9 +677,9 @@ def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue,
     meta = dict(EPILOGUE=epilogue, HAS_GATHER=gather_S is not None, HAS_SCATTER=scatter_S is not None,
                 HAS_SCALE=scale_S is not None, HAS_ACT_SCALE=act_scale_S is not None,
                 FAST_MATH=out.dtype != torch.float32 and not interpret_mode(),
-                BLOCK_E=max(2, triton.next_power_of_2(E)), SLOT=_DACT_SLOT, W_TMA=w_tma,
+                BLOCK_E=max(2, next_power_of_2(E)), SLOT=_DACT_SLOT, W_TMA=w_tma,
                 DOT_PRECISION=input_precision(a_MK.dtype))
-    _launch(_grouped_gemm_kernel, grid, args, meta, (K, N))
+    _launch(_grouped_gemm_kernel, grid, args, meta, (K, N), {"w_ptr": w_arg})
 
 
 def w_tma_ok(w_EKN: torch.Tensor) -> bool:
@@ -675,7 +698,7 @@ def _tma_can_describe(t: torch.Tensor) -> bool:
     compute capability 9.0+ (not the interpreter), the last dimension contiguous, the base and the
     other strides multiples of 16 bytes (the tensor-memory unit's rules)."""
     return (TensorDescriptor is not None and t.is_cuda and not interpret_mode() and _tma_aligned(t)
-            and torch.version.hip is None and torch.cuda.get_device_capability(t.device)[0] >= 9)
+            and torch.version.hip is None and capability(t.device.index)[0] >= 9)
 
 
 def _tma_aligned(t: torch.Tensor) -> bool:
@@ -775,7 +798,7 @@ def grouped_wgrad_triton(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=
                 HAS_SCALE=scale_S is not None, ACT_A=a_activation or "none", HAS_A_SCALE=a_scale_S is not None,
                 FAST_MATH=a_MK.dtype != torch.float32 and not interpret_mode(), ACCUMULATE=bool(accumulate),
                 TMA_OK=tma_ok, DOT_PRECISION=input_precision(a_MK.dtype))
-    _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N))
+    _launch(_grouped_wgrad_kernel, grid, args, meta, (K, N), {"out_desc": out_desc})
     return out
 
 

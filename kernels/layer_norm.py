@@ -20,12 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import cdiv, next_power_of_2
+from .launcher import launch
+
 MAX_N = 16384  # one row in one tile: the widest hidden size a config of ours uses is far below
 
 
 def _blocks(N: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): a tile of whole rows, at most 4096 fp32 values per program."""
-    block_n = triton.next_power_of_2(N)
+    block_n = next_power_of_2(N)
     return max(1, min(64, 4096 // block_n)), block_n
 
 
@@ -113,9 +116,9 @@ def layer_norm_fwd_triton(x: torch.Tensor, weight_N: torch.Tensor, bias_N: torch
     rstd_M = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         block_m, block_n = _blocks(N)
-        _ln_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x_MN, weight_N, bias_N, y_MN, mean_M, rstd_M, M, N, x_MN.stride(0), y_MN.stride(0), float(eps),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        launch(_ln_fwd_kernel, (cdiv(M, block_m),),
+               (x_MN, weight_N, bias_N, y_MN, mean_M, rstd_M, M, N, x_MN.stride(0), y_MN.stride(0), float(eps)),
+               dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
     return y_MN.view(x.shape), mean_M, rstd_M
 
 
@@ -127,20 +130,20 @@ def layer_norm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight_N: torch.Ten
     ``block_m`` (rows per loop iteration, a power of two); each unset one from :func:`bwd_launch`
     (benchmarks/bench_layer_norm.py sweeps them)."""
     N = x.shape[-1]
-    launch = bwd_launch(N)
-    programs, num_warps, block_m = programs or launch[0], num_warps or launch[1], block_m or launch[2]
+    default = bwd_launch(N)
+    programs, num_warps, block_m = programs or default[0], num_warps or default[1], block_m or default[2]
     x_MN, dy_MN = _rows(x), _rows(dy)
     M = x_MN.shape[0]
     dx_MN = torch.empty((M, N), dtype=x.dtype, device=x.device)
     block_n = _blocks(N)[1]
-    rows_per_program = triton.cdiv(triton.cdiv(max(M, 1), programs), block_m) * block_m
-    P = triton.cdiv(max(M, 1), rows_per_program)
+    rows_per_program = cdiv(cdiv(max(M, 1), programs), block_m) * block_m
+    P = cdiv(max(M, 1), rows_per_program)
     dw_part_PN = torch.empty((P, N), dtype=torch.float32, device=x.device)
     db_part_PN = torch.empty((P, N), dtype=torch.float32, device=x.device)
-    _ln_bwd_kernel[(P,)](
-        dy_MN, x_MN, weight_N, mean_M, rstd_M, dx_MN, dw_part_PN, db_part_PN, M, N,
-        dy_MN.stride(0), x_MN.stride(0), dx_MN.stride(0), rows_per_program,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    launch(_ln_bwd_kernel, (P,),
+           (dy_MN, x_MN, weight_N, mean_M, rstd_M, dx_MN, dw_part_PN, db_part_PN, M, N, dy_MN.stride(0), x_MN.stride(0),
+            dx_MN.stride(0), rows_per_program),
+           dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
     dweight_N = dw_part_PN.sum(0).to(weight_N.dtype)
     dbias_N = db_part_PN.sum(0).to(weight_N.dtype)
     return dx_MN.view(x.shape), dweight_N, dbias_N

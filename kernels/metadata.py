@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, use_triton
+from ._common import cdiv, next_power_of_2, use_triton
+from .launcher import launch
 
 
 def max_row_blocks(num_assignments: int, num_experts: int, block_size: int) -> int:
@@ -394,22 +395,20 @@ def _routing_metadata_triton(
     counts_E, offsets_E1, padded_E1 = empty(E), empty(E + 1), empty(E + 1)
     sort_order_N, sorted_row_N, padded_row_N = empty(N), empty(N), empty(N)
     padded_src_P, row_expert_R = empty(P_max), empty(R_max)
-    _histogram_kernel[(num_chunks,)](
-        ids_N, ids32_N, rank_N, hist_EC, padded_src_P, row_expert_R,
-        N, E, num_chunks, P_max, R_max, cdiv(P_max, num_chunks), cdiv(R_max, num_chunks),
-        CHUNK=chunk, BLOCK_E=min(triton.next_power_of_2(E), 64 if pairwise else max_block_e),
-        PAIRWISE=pairwise,
-    )
-    _chunk_scan_kernel[(E,)](hist_EC, counts_E, num_chunks, BLOCK_C=block_c)
-    _expert_scan_kernel[(1,)](counts_E, offsets_E1, padded_E1, E, B,
-                              BLOCK_E=min(triton.next_power_of_2(E), 1024))
+    launch(_histogram_kernel, (num_chunks,),
+           (ids_N, ids32_N, rank_N, hist_EC, padded_src_P, row_expert_R, N, E, num_chunks, P_max, R_max,
+            cdiv(P_max, num_chunks), cdiv(R_max, num_chunks)),
+           dict(CHUNK=chunk, BLOCK_E=min(next_power_of_2(E), 64 if pairwise else max_block_e),
+                PAIRWISE=pairwise))
+    launch(_chunk_scan_kernel, (E,), (hist_EC, counts_E, num_chunks), dict(BLOCK_C=block_c))
+    launch(_expert_scan_kernel, (1,),
+           (counts_E, offsets_E1, padded_E1, E, B),
+           dict(BLOCK_E=min(next_power_of_2(E), 1024)))
     if N:
-        _scatter_kernel[(cdiv(N, _BLOCK_SCATTER),)](
-            ids32_N, rank_N, hist_EC, offsets_E1, padded_E1,
-            sort_order_N, sorted_row_N, padded_row_N, padded_src_P, row_expert_R,
-            N, B, num_chunks,
-            CHUNK=chunk, BLOCK=_BLOCK_SCATTER,
-        )
+        launch(_scatter_kernel, (cdiv(N, _BLOCK_SCATTER),),
+               (ids32_N, rank_N, hist_EC, offsets_E1, padded_E1, sort_order_N, sorted_row_N, padded_row_N, padded_src_P,
+                row_expert_R, N, B, num_chunks),
+               dict(CHUNK=chunk, BLOCK=_BLOCK_SCATTER))
     return Routing(
         num_tokens=T, top_k=K, num_experts=E, block_size=B,
         expert_ids_N=ids32_N, sort_order_N=sort_order_N,
@@ -431,12 +430,10 @@ def _block_topology_triton(routing: Routing, num_columns: int) -> Topology:
     offsets_t_C1 = torch.empty(C + 1, dtype=i32, device=dev)
     block_offsets_t_Z = torch.empty(Z, dtype=i32, device=dev)
     grid = (cdiv(max(Z, C + 1), _BLOCK_Z),)
-    _topology_kernel[grid](
-        routing.row_block_expert_R, routing.padded_offsets_E1,
-        row_indices_Z, column_indices_Z, offsets_t_C1, block_offsets_t_Z,
-        Z, C, E, B, Fb,
-        BLOCK_Z=_BLOCK_Z,
-    )
+    launch(_topology_kernel, grid,
+           (routing.row_block_expert_R, routing.padded_offsets_E1, row_indices_Z, column_indices_Z, offsets_t_C1,
+            block_offsets_t_Z, Z, C, E, B, Fb),
+           dict(BLOCK_Z=_BLOCK_Z))
     return Topology(
         routing=routing, num_columns=num_columns, blocks_per_row=Fb,
         row_indices_Z=row_indices_Z, column_indices_Z=column_indices_Z,

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpret_mode, use_triton
+from ._common import cdiv, interpret_mode, next_power_of_2, use_triton
+from .launcher import launch
 from .metadata import Routing
 
 
@@ -35,7 +36,7 @@ def _block_h(H: int) -> int:
     """Columns per program: a whole small row, 512-column slabs of large ones (16 under the interpreter)."""
     if interpret_mode():
         return 16
-    return min(512, triton.next_power_of_2(H))
+    return min(512, next_power_of_2(H))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,12 +91,10 @@ def gather_rows_triton(x_TH, routing: Routing, weights_TK=None, out=None, layout
     w = x_TH if weights_TK is None else weights_TK  # dummy pointer when there are no weights
     BLOCK_P, BLOCK_H = 16, _block_h(H)
     grid = (cdiv(P, BLOCK_P), cdiv(H, BLOCK_H))
-    _gather_rows_kernel[grid](
-        x_TH, w, out, src_P,
-        P, H, routing.top_k,
-        x_TH.stride(0), x_TH.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        HAS_WEIGHTS=weights_TK is not None, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H,
-    )
+    launch(_gather_rows_kernel, grid,
+           (x_TH, w, out, src_P, P, H, routing.top_k, x_TH.stride(0), x_TH.stride(1), w.stride(0), w.stride(1),
+            out.stride(0), out.stride(1)),
+           dict(HAS_WEIGHTS=weights_TK is not None, BLOCK_P=BLOCK_P, BLOCK_H=BLOCK_H))
     return out
 
 
@@ -171,12 +170,10 @@ def _scatter_rows_launch(y_PH, weights_TK, row_N, T: int, K: int, out=None):
     w = y_PH if weights_TK is None else weights_TK
     BLOCK_T, BLOCK_H = 16, _block_h(H)
     grid = (cdiv(T, BLOCK_T), cdiv(H, BLOCK_H))
-    _scatter_rows_kernel[grid](
-        y_PH, w, out, row_N,
-        T, H, K,
-        y_PH.stride(0), y_PH.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        HAS_WEIGHTS=weights_TK is not None, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-    )
+    launch(_scatter_rows_kernel, grid,
+           (y_PH, w, out, row_N, T, H, K, y_PH.stride(0), y_PH.stride(1), w.stride(0), w.stride(1), out.stride(0),
+            out.stride(1)),
+           dict(HAS_WEIGHTS=weights_TK is not None, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H))
     return out
 
 
@@ -263,12 +260,10 @@ def scatter_rows_weight_grad_triton(dy_TH, y_PH, routing: Routing, layout="padde
     if N == 0:
         return out
     BLOCK_N, BLOCK_H = 16, min(_block_h(H), 128)
-    _scatter_weight_grad_kernel[(cdiv(N, BLOCK_N),)](
-        dy_TH, y_PH, out, _layout(routing, layout)[1],
-        N, H, routing.top_k,
-        dy_TH.stride(0), dy_TH.stride(1), y_PH.stride(0), y_PH.stride(1),
-        BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H,
-    )
+    launch(_scatter_weight_grad_kernel, (cdiv(N, BLOCK_N),),
+           (dy_TH, y_PH, out, _layout(routing, layout)[1], N, H, routing.top_k, dy_TH.stride(0), dy_TH.stride(1),
+            y_PH.stride(0), y_PH.stride(1)),
+           dict(BLOCK_N=BLOCK_N, BLOCK_H=BLOCK_H))
     return out
 
 

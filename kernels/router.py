@@ -28,11 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import cdiv, next_power_of_2
+from .launcher import launch
+
 
 def _blocks(E: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_K): a [BLOCK_T, BLOCK_E] fp32 tile of at most 4096 elements."""
-    block_e = triton.next_power_of_2(max(E, 2))
-    return max(1, min(128, 4096 // block_e)), block_e, triton.next_power_of_2(max(K, 2))
+    block_e = next_power_of_2(max(E, 2))
+    return max(1, min(128, 4096 // block_e)), block_e, next_power_of_2(max(K, 2))
 
 
 @triton.jit
@@ -198,7 +201,7 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     if logits_TE.stride(1) != 1:
         logits_TE = logits_TE.contiguous()
     BLOCK_T, BLOCK_E, BLOCK_K = _blocks(E, top_k)
-    G = triton.cdiv(T, BLOCK_T)
+    G = cdiv(T, BLOCK_T)
     dev = logits_TE.device
     ids_TK = torch.empty(T, top_k, device=dev, dtype=torch.int64)
     weights_TK = torch.empty(T, top_k, device=dev, dtype=torch.float32)
@@ -208,17 +211,17 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     part_counts = part[:G * BLOCK_E]
     part_probs, part_lse2 = part[G * BLOCK_E:].view(torch.float32).split([G * BLOCK_E, G])
     bias = bias_E if bias_E is not None else weights_TK  # unread without HAS_BIAS
-    _route_fwd_kernel[(G,)](logits_TE, bias, ids_TK, weights_TK, part_counts, part_probs, part_lse2,
-                            T, E, logits_TE.stride(0), K=top_k, SOFTMAX=softmax, NORMALIZE=normalize,
-                            HAS_BIAS=bias_E is not None, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-                            BLOCK_K=BLOCK_K, num_warps=4)
+    launch(_route_fwd_kernel, (G,),
+           (logits_TE, bias, ids_TK, weights_TK, part_counts, part_probs, part_lse2, T, E, logits_TE.stride(0)),
+           dict(K=top_k, SOFTMAX=softmax, NORMALIZE=normalize, HAS_BIAS=bias_E is not None, BLOCK_T=BLOCK_T,
+                BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, num_warps=4))
     counts_E = torch.empty(E, device=dev, dtype=torch.int64)
     aux = torch.empty((), device=dev, dtype=torch.float32)
     z = torch.empty((), device=dev, dtype=torch.float32)
-    _route_sum_kernel[(1,)](part_counts, part_probs, part_lse2, counts_E, aux, z, G, E,
-                            _aux_scale(aux_coeff, T, E, top_k), z_coeff / T,
-                            BLOCK_G=max(2, min(64, triton.next_power_of_2(G))), BLOCK_E=BLOCK_E,
-                            num_warps=4)
+    launch(_route_sum_kernel, (1,),
+           (part_counts, part_probs, part_lse2, counts_E, aux, z, G, E, _aux_scale(aux_coeff, T, E, top_k),
+            z_coeff / T),
+           dict(BLOCK_G=max(2, min(64, next_power_of_2(G))), BLOCK_E=BLOCK_E, num_warps=4))
     return ids_TK, weights_TK, counts_E, aux, z
 
 
@@ -235,12 +238,12 @@ def route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz, *, soft
         return dlogits_TE
     has_aux, has_z = daux is not None and aux_coeff > 0, dz is not None and z_coeff > 0
     dummy = dlogits_TE
-    _route_bwd_kernel[(triton.cdiv(T, BLOCK_T),)](
-        logits_TE, ids_TK, dweights_TK.float().contiguous() if dweights_TK is not None else dummy, counts_E,
-        daux if has_aux else dummy, dz if has_z else dummy, dlogits_TE,
-        T, E, logits_TE.stride(0), _aux_scale(aux_coeff, T, E, K), 2.0 * z_coeff / T,
-        K=K, SOFTMAX=softmax, NORMALIZE=normalize, HAS_DW=dweights_TK is not None, HAS_AUX=has_aux,
-        HAS_Z=has_z, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4)
+    launch(_route_bwd_kernel, (cdiv(T, BLOCK_T),),
+           (logits_TE, ids_TK, dweights_TK.float().contiguous() if dweights_TK is not None else dummy, counts_E,
+            daux if has_aux else dummy, dz if has_z else dummy, dlogits_TE, T, E, logits_TE.stride(0),
+            _aux_scale(aux_coeff, T, E, K), 2.0 * z_coeff / T),
+           dict(K=K, SOFTMAX=softmax, NORMALIZE=normalize, HAS_DW=dweights_TK is not None, HAS_AUX=has_aux, HAS_Z=has_z,
+                BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4))
     return dlogits_TE
 
 

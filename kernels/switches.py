@@ -35,6 +35,9 @@
 |                         | projections) runs kernels/gluon_gemm.py's | GEMM                                          |
 |                         | kernels on sm_90 where they apply         |                                               |
 |                         | (``supported``)                           |                                               |
+| MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
+|                         | a key call the compiled kernel directly   |                                               |
+|                         | (kernels/launcher.py)                     |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -45,7 +48,7 @@ single config never goes through the autotuner, which in some Triton versions be
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
 each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``fused_router``,
-``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``) or at each new tuning
+``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
 """
@@ -144,3 +147,9 @@ def gluon_wgrad() -> bool:
 def gluon_gemm() -> bool:
     """MEGATRON_MOE_GLUON_GEMM != "0": a row-grouped GEMM kernels/gluon_gemm.py takes runs there."""
     return os.environ.get("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
+
+
+def fast_launch() -> bool:
+    """MEGATRON_MOE_FAST_LAUNCH != "0": launches after a key's first call the compiled kernel
+    directly (kernels/launcher.py)."""
+    return os.environ.get("MEGATRON_MOE_FAST_LAUNCH", "1") != "0"

@@ -40,7 +40,7 @@ def first_gemm_launch():
     """The first row-grouped GEMM launch of a bf16 layer forward (dmoe-small's expert shape)."""
     seen = []
     launch = grouped._launch
-    grouped._launch = lambda kernel, grid, args, meta, tune_key: seen.append((kernel, args, meta))
+    grouped._launch = lambda kernel, grid, args, meta, tune_key, hook_args: seen.append((kernel, args, meta))
     layer = DroplessMoE(MoEConfig(hidden_size=768, ffn_hidden_size=3072, num_experts=8, top_k=1,
                                   mlp_impl="triton_grouped")).to(torch.bfloat16)
     layer(torch.randn(64, 768, dtype=torch.bfloat16))

@@ -76,11 +76,12 @@ def env(tmp_path, monkeypatch):
 
 def new_process():
     grouped._TUNED.clear()
+    grouped._HOT.clear()
     tuning._tables.clear()
 
 
 def launch(kernel, meta=None, tune_key=(64, 128)):
-    grouped._launch(kernel, lambda m: (1,), (torch.zeros(4),), meta or {"EPILOGUE": "gelu"}, tune_key)
+    grouped._launch(kernel, lambda m: (1,), (torch.zeros(4),), meta or {"EPILOGUE": "gelu"}, tune_key, {})
 
 
 def stored(env):
