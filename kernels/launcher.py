@@ -111,12 +111,13 @@ def enabled() -> bool:
 
 
 def launch(fn, grid, args: tuple, kwargs: dict, key=None):
-    """``fn[grid](*args, **kwargs)`` for a ``triton.jit`` (or Gluon) function ``fn`` (an autotuner is
-    launched as it is); ``grid`` a
-    tuple or a function of the keyword arguments. ``key``: a hashable that, with the device,
-    determines the specialisation of ``args`` and every value of ``kwargs`` (the caller's own
-    key, saving :func:`arg_key`'s work); None: the key is built here."""
-    if not (enabled() and isinstance(fn, JITFunction)):  # an autotuner: Triton's launch
+    """``fn[grid](*args, **kwargs)`` for a ``triton.jit`` (or Gluon) function ``fn`` (an autotuner,
+    or a kernel under the interpreter, is launched as it is); ``grid`` a tuple or a function of the
+    keyword arguments. ``key``: a hashable that, with the device, determines the specialisation
+    of ``args`` and every value of ``kwargs`` (the caller's own key, saving :func:`arg_key`'s
+    work); None: the key is built here."""
+    if not (enabled() and isinstance(fn, JITFunction)):
+        _stats["triton"] += 1
         return fn[grid](*args, **kwargs)
     dev = driver.active.get_current_device()
     try:
