@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import gelu_and_grad, gelu_and_grad_reference
 from ._common import cdiv
+from .activation import gelu_and_grad, gelu_and_grad_reference
 from .launcher import launch
 
 # (BLOCK_M, BLOCK_N, warps, programs in all): one fixed config, the fastest of
