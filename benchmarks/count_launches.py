@@ -49,8 +49,7 @@ def _count_triton(names: list[str], log: _OpLog):
     (kernels/launcher.py) are off inside: they skip ``JITFunction.run``, where the count is taken."""
     from triton.runtime import interpreter, jit
 
-    fast = os.environ.get("MEGATRON_MOE_FAST_LAUNCH")
-    os.environ["MEGATRON_MOE_FAST_LAUNCH"] = "0"
+    from megatron_moe.kernels import launcher
 
     patched = []
     for cls in (jit.JITFunction, interpreter.InterpretedFunction):
@@ -67,14 +66,11 @@ def _count_triton(names: list[str], log: _OpLog):
         cls.run = counted
         patched.append((cls, run))
     try:
-        yield
+        with launcher.fast_launches(False):
+            yield
     finally:
         for cls, run in patched:
             cls.run = run
-        if fast is None:
-            del os.environ["MEGATRON_MOE_FAST_LAUNCH"]
-        else:
-            os.environ["MEGATRON_MOE_FAST_LAUNCH"] = fast
 
 
 def count(fn) -> dict:

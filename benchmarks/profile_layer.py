@@ -361,17 +361,15 @@ def launch_overhead(device, n=200):
     meta = dict(EPILOGUE="none", HAS_GATHER=True, HAS_SCATTER=False, HAS_SCALE=False, HAS_ACT_SCALE=False,
                 DOT_PRECISION="tf32", FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT, W_TMA=False)
     grid = (G.max_row_blocks(T, E, cfg.kwargs["BLOCK_M"]) * triton.cdiv(F, cfg.kwargs["BLOCK_N"]),)
+    from megatron_moe.kernels import launcher
     from megatron_moe.router import mm_f32
 
     xr = torch.randn(16384, 1024, device=device, dtype=torch.bfloat16)
     wr = torch.randn(64, 1024, device=device, dtype=torch.bfloat16)
 
     def public_fast_off():
-        os.environ["MEGATRON_MOE_FAST_LAUNCH"] = "0"
-        try:
+        with launcher.fast_launches(False):
             G.grouped_gemm(x, w, off, gather_S=tok)
-        finally:
-            del os.environ["MEGATRON_MOE_FAST_LAUNCH"]
 
     calls = {
         "grouped_gemm (public)": lambda: G.grouped_gemm(x, w, off, gather_S=tok),
@@ -422,32 +420,26 @@ def host_ab(provider, cname, shape, device, reps=15, steps=5):
     """Host milliseconds to enqueue one step with fast launches on and off (kernels/launcher.py),
     interleaved in one process: the GPU is held by a sleep kernel first, so the enqueue never
     waits for it; medians over ``reps`` rounds of ``steps`` steps each."""
+    from megatron_moe.kernels import launcher
+
     step, model, x = make_step(provider, shape, device)
-    var = "MEGATRON_MOE_FAST_LAUNCH"
-    before = os.environ.get(var)
-    times = {"1": [], "0": []}
-    try:
-        for setting in ("1", "0", "1"):  # warm-up: tuning, compiles, each key's first launch
-            os.environ[var] = setting
+    times = {True: [], False: []}
+    for on in (True, False, True):  # warm-up: tuning, compiles, each key's first launch
+        with launcher.fast_launches(on):
             step()
-        for _ in range(reps):
-            for setting in ("1", "0"):
-                os.environ[var] = setting
+    for _ in range(reps):
+        for on in (True, False):
+            with launcher.fast_launches(on):
                 torch.cuda.synchronize()
                 torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: longer than the steps' enqueue
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     step()
-                times[setting].append((time.perf_counter() - t0) / steps * 1e3)
-        torch.cuda.synchronize()
-    finally:
-        if before is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = before
+                times[on].append((time.perf_counter() - t0) / steps * 1e3)
+    torch.cuda.synchronize()
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    print(f"[{cname}] {provider}: host ms/step fast launch on {med['1']:.3f}, off {med['0']:.3f} "
-          f"(min {min(times['1']):.3f} / {min(times['0']):.3f}; {reps} rounds of {steps} steps)", flush=True)
+    print(f"[{cname}] {provider}: host ms/step fast launch on {med[True]:.3f}, off {med[False]:.3f} "
+          f"(min {min(times[True]):.3f} / {min(times[False]):.3f}; {reps} rounds of {steps} steps)", flush=True)
     del model, x, step
     torch.cuda.empty_cache()
     return med

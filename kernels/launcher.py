@@ -26,7 +26,9 @@ once, from its source: Triton 3.6 and 3.9 are).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 
 import torch
 import triton
@@ -35,7 +37,7 @@ from triton.runtime.jit import JITFunction
 
 from . import switches
 
-__all__ = ["launch", "arg_key", "stats", "clear"]
+__all__ = ["launch", "arg_key", "fast_launches", "stats", "clear"]
 
 MAX_ENTRIES = 4096  # keys kept, all kernels together; past it, new keys launch through Triton
 _entries: dict = {}
@@ -59,8 +61,6 @@ def _desc_key(d):
 
 def _spec(a):
     t = type(a)
-    if t is torch.Tensor or t is torch.nn.Parameter:  # the common case first
-        return (a.dtype, a.data_ptr() % 16 == 0)
     if t is int:
         return _int_key(a)
     if isinstance(a, torch.Tensor):
@@ -151,6 +151,20 @@ def _remember(k, fn, kernel, args, kwargs, dev) -> None:
     binder = fn.device_caches[dev][4]
     bound = list(binder(*args, **kwargs)[0].values())
     _entries[k] = (kernel, tuple(bound[len(args):]))
+
+
+@contextlib.contextmanager
+def fast_launches(on: bool):
+    """Inside the block, fast launches on or off (``MEGATRON_MOE_FAST_LAUNCH``, restored after)."""
+    before = os.environ.get(switches.FAST_LAUNCH)
+    os.environ[switches.FAST_LAUNCH] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(switches.FAST_LAUNCH, None)
+        else:
+            os.environ[switches.FAST_LAUNCH] = before
 
 
 def stats() -> dict:

@@ -149,7 +149,10 @@ def gluon_gemm() -> bool:
     return os.environ.get("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
 
 
+FAST_LAUNCH = "MEGATRON_MOE_FAST_LAUNCH"
+
+
 def fast_launch() -> bool:
     """MEGATRON_MOE_FAST_LAUNCH != "0": launches after a key's first call the compiled kernel
-    directly (kernels/launcher.py)."""
-    return os.environ.get("MEGATRON_MOE_FAST_LAUNCH", "1") != "0"
+    directly (kernels/launcher.py; ``launcher.fast_launches`` sets it for a block)."""
+    return os.environ.get(FAST_LAUNCH, "1") != "0"

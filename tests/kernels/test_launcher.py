@@ -237,3 +237,20 @@ def test_gpu_layer_step_identical_with_and_without_fast_launches(monkeypatch, ac
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_fast_launches_sets_the_switch_for_the_block_and_restores_it(monkeypatch, before):
+    import os
+
+    from megatron_moe.kernels import switches
+
+    if before is None:
+        monkeypatch.delenv("MEGATRON_MOE_FAST_LAUNCH", raising=False)
+    else:
+        monkeypatch.setenv("MEGATRON_MOE_FAST_LAUNCH", before)
+    for on in (True, False):
+        with pytest.raises(RuntimeError), launcher.fast_launches(on):
+            assert switches.fast_launch() is on
+            raise RuntimeError  # restored on the way out of an error too
+        assert os.environ.get("MEGATRON_MOE_FAST_LAUNCH") == before
