@@ -6,6 +6,7 @@
     python benchmarks/profile_layer.py --out benchmarks/results/profile.json
     python benchmarks/profile_layer.py --cprofile --providers triton_grouped   # host Python time per function
     python benchmarks/profile_layer.py --host --providers triton_grouped    # host ms per step, fast launch on / off
+    python benchmarks/profile_layer.py --host --switch MEGATRON_MOE_ROUTER_GEMM  # ... another switch on / off
     python benchmarks/profile_layer.py --order --configs qwen3-30b-a3b --providers sonicmoe,triton_grouped
                                                  # one step's kernels in launch order, then exit
     python benchmarks/profile_layer.py --configs dmoe-small --no-profile --no-sweep --skew 0.9 \
@@ -362,7 +363,7 @@ def launch_overhead(device, n=200):
                 DOT_PRECISION="tf32", FAST_MATH=True, BLOCK_E=4, SLOT=G._DACT_SLOT, W_TMA=False)
     grid = (G.max_row_blocks(T, E, cfg.kwargs["BLOCK_M"]) * triton.cdiv(F, cfg.kwargs["BLOCK_N"]),)
     from megatron_moe.kernels import launcher
-    from megatron_moe.router import mm_f32
+    from megatron_moe.kernels.router_gemm import mm_f32
 
     xr = torch.randn(16384, 1024, device=device, dtype=torch.bfloat16)
     wr = torch.randn(64, 1024, device=device, dtype=torch.bfloat16)
@@ -416,20 +417,21 @@ def _direct_run(fn, grid, args, kwargs, device):
     return run
 
 
-def host_ab(provider, cname, shape, device, reps=15, steps=5):
-    """Host milliseconds to enqueue one step with fast launches on and off (kernels/launcher.py),
-    interleaved in one process: the GPU is held by a sleep kernel first, so the enqueue never
-    waits for it; medians over ``reps`` rounds of ``steps`` steps each."""
-    from megatron_moe.kernels import launcher
+def host_ab(provider, cname, shape, device, switch="MEGATRON_MOE_FAST_LAUNCH", reps=15, steps=5):
+    """Host milliseconds to enqueue one step with the environment switch ``switch`` on and off
+    (default: fast launches, kernels/launcher.py), interleaved in one process: the GPU is held by
+    a sleep kernel first, so the enqueue never waits for it; medians over ``reps`` rounds of
+    ``steps`` steps each."""
+    from megatron_moe.kernels.switches import setting
 
     step, model, x = make_step(provider, shape, device)
     times = {True: [], False: []}
     for on in (True, False, True):  # warm-up: tuning, compiles, each key's first launch
-        with launcher.fast_launches(on):
+        with setting(switch, on):
             step()
     for _ in range(reps):
         for on in (True, False):
-            with launcher.fast_launches(on):
+            with setting(switch, on):
                 torch.cuda.synchronize()
                 torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: longer than the steps' enqueue
                 t0 = time.perf_counter()
@@ -438,7 +440,7 @@ def host_ab(provider, cname, shape, device, reps=15, steps=5):
                 times[on].append((time.perf_counter() - t0) / steps * 1e3)
     torch.cuda.synchronize()
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    print(f"[{cname}] {provider}: host ms/step fast launch on {med[True]:.3f}, off {med[False]:.3f} "
+    print(f"[{cname}] {provider}: host ms/step {switch} on {med[True]:.3f}, off {med[False]:.3f} "
           f"(min {min(times[True]):.3f} / {min(times[False]):.3f}; {reps} rounds of {steps} steps)", flush=True)
     del model, x, step
     torch.cuda.empty_cache()
@@ -496,7 +498,9 @@ def main(argv=None):
     ap.add_argument("--order", action="store_true",
                     help="one step's kernels in launch order (median of 5 profiled steps), then exit")
     ap.add_argument("--host", action="store_true",
-                    help="host time per step with fast launches on and off (the GPU held busy), then exit")
+                    help="host time per step with --switch on and off (the GPU held busy), then exit")
+    ap.add_argument("--switch", default="MEGATRON_MOE_FAST_LAUNCH",
+                    help="--host's environment switch (kernels/switches.py), e.g. MEGATRON_MOE_ROUTER_GEMM")
     ap.add_argument("--cprofile", action="store_true",
                     help="host Python time of the providers' steps (cProfile, top functions), then exit")
     args = ap.parse_args(argv)
@@ -515,7 +519,7 @@ def main(argv=None):
     if args.host:
         for cname in args.configs.split(","):
             for prov in providers:
-                host_ab(prov, cname, CONFIGS[cname], device)
+                host_ab(prov, cname, CONFIGS[cname], device, args.switch)
         return
     if args.cprofile:
         for cname in args.configs.split(","):

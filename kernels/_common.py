@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .switches import getenv
+
 
 def interpret_mode() -> bool:
     """True when Triton runs its kernels on the CPU (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return getenv("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,3 +68,22 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> bf16 rounded to nearest even on the bits, NaN kept: torch's .to(bfloat16) on the
+    GPU and under the interpreter (whose own conversion truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, float("nan"), r)
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` in DTYPE, rounded to nearest even (bf16 too under the interpreter: round_bf16)."""
+    y = x.to(DTYPE)
+    if DTYPE == tl.bfloat16:
+        y = round_bf16(x)
+    return y

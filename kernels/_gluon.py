@@ -4,11 +4,10 @@ count)."""
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ._common import capability
+from ._common import capability, interpret_mode
 
 try:
     from triton.experimental import gluon
@@ -30,7 +29,7 @@ if gluon is not None:
 
 def available() -> bool:
     """Gluon's Hopper ops import, and this is not the interpreter (which cannot run Gluon)."""
-    return gluon is not None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return gluon is not None and not interpret_mode()
 
 
 def on_sm90(t: torch.Tensor) -> bool:

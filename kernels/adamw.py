@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, use_triton
+from ._common import cdiv, round_bf16, use_triton
 from .launcher import launch
 
 BLOCK = 1024  # elements per program: one 16-byte access per array per thread at 8 warps
@@ -54,16 +54,6 @@ def hyperparameters(lr: float, weight_decay: float, beta1: float, beta2: float, 
 
 
 # ----------------------------------------------------------------------------- kernel
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> bf16 rounded to nearest even on the bits, NaN kept: torch's .to(bfloat16) on the
-    GPU and under the interpreter (whose own conversion truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.where(x != x, float("nan"), r)
 
 
 @triton.jit
@@ -106,15 +96,15 @@ def _adamw_kernel(addrs_ptr, hyper_ptr, block_param_ptr, block_start_ptr, scale_
     p = p - step_size * tl.div_rn(m, denom)
     tl.store(p_ptr + offs, p, mask=mask)
     if STATE_BF16:
-        tl.store(m_ptr + offs, _round_bf16(m), mask=mask)
-        tl.store(v_ptr + offs, _round_bf16(v), mask=mask)
+        tl.store(m_ptr + offs, round_bf16(m), mask=mask)
+        tl.store(v_ptr + offs, round_bf16(v), mask=mask)
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
     if HAS_COPY:
         c_ptr = tl.load(row + 4).to(tl.pointer_type(COPY_DTYPE))
         if COPY_DTYPE == tl.bfloat16:
-            c = _round_bf16(p)
+            c = round_bf16(p)
         else:
             c = p.to(COPY_DTYPE)
         tl.store(c_ptr + offs, c, mask=mask)

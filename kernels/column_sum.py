@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv
+from ._common import cast, cdiv
 from .activation import gelu_and_grad, gelu_and_grad_reference
 from .launcher import launch
 
@@ -65,7 +65,7 @@ def _column_sum_finish_kernel(part_ptr, out_ptr, P, N, BLOCK_N: tl.constexpr):
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for p in range(0, P):  # in order: the same bits every time
         acc += tl.load(part_ptr + p * N + cols, mask=col_ok, other=0.0)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + cols, cast(acc, out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _launch(x_MN, out_dtype, h_MN, dh_MN, block_m, block_n, num_warps, programs) -> torch.Tensor:
@@ -80,9 +80,14 @@ def _launch(x_MN, out_dtype, h_MN, dh_MN, block_m, block_n, num_warps, programs)
     launch(_column_sum_kernel, (col_blocks, P),
            (x_MN, part_PN, h_MN if dgelu else x_MN, dh_MN if dgelu else x_MN, M, N, x_MN.stride(0), rows_per_program),
            dict(DGELU=dgelu, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
-    out_N = torch.empty(N, dtype=out_dtype, device=x_MN.device)
-    launch(_column_sum_finish_kernel, (cdiv(N, FINISH_BLOCK_N),),
-           (part_PN, out_N, P, N),
+    return sum_partials(part_PN, torch.empty(N, dtype=out_dtype, device=x_MN.device))
+
+
+def sum_partials(part_PN: torch.Tensor, out_N: torch.Tensor) -> torch.Tensor:
+    """out_N = Σ_p part_PN[p] (contiguous fp32 partials, added in order: the same bits every time),
+    rounded once to out_N's dtype (contiguous, N elements, any shape)."""
+    P, N = part_PN.shape
+    launch(_column_sum_finish_kernel, (cdiv(N, FINISH_BLOCK_N),), (part_PN, out_N, P, N),
            dict(BLOCK_N=FINISH_BLOCK_N, num_warps=4))
     return out_N
 

@@ -26,9 +26,7 @@ once, from its source: Triton 3.6 and 3.9 are).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
 
 import torch
 import triton
@@ -74,9 +72,24 @@ def _spec(a):
     raise _Unkeyed(t.__name__)
 
 
+_I1, _I16, _I = _int_key(1), _int_key(16), _int_key(3)  # the keys of int32 ints
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+
+
 def arg_key(args) -> tuple:
-    """What Triton specialises on, per positional argument (at least as fine as its own key)."""
-    return tuple(map(_spec, args))
+    """What Triton specialises on, per positional argument (at least as fine as its own key):
+    :func:`_spec` of each, with int32 ints and plain tensors inline (the launches' hot path)."""
+    key = []
+    add = key.append
+    for a in args:
+        t = type(a)
+        if t is int and -0x80000000 <= a <= 0x7FFFFFFF:
+            add(_I1 if a == 1 else _I if a & 15 else _I16)
+        elif t is _TENSOR or t is _PARAMETER:
+            add((a.dtype, not a.data_ptr() & 15))
+        else:
+            add(_spec(a))
+    return tuple(key)
 
 
 def _triton_mirrored() -> bool:
@@ -153,18 +166,9 @@ def _remember(k, fn, kernel, args, kwargs, dev) -> None:
     _entries[k] = (kernel, tuple(bound[len(args):]))
 
 
-@contextlib.contextmanager
 def fast_launches(on: bool):
     """Inside the block, fast launches on or off (``MEGATRON_MOE_FAST_LAUNCH``, restored after)."""
-    before = os.environ.get(switches.FAST_LAUNCH)
-    os.environ[switches.FAST_LAUNCH] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(switches.FAST_LAUNCH, None)
-        else:
-            os.environ[switches.FAST_LAUNCH] = before
+    return switches.setting(switches.FAST_LAUNCH, on)
 
 
 def stats() -> dict:

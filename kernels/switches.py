@@ -38,6 +38,9 @@
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
 |                         | a key call the compiled kernel directly   |                                               |
 |                         | (kernels/launcher.py)                     |                                               |
+| MEGATRON_MOE_ROUTER_GEMM | the router's logits GEMMs (bf16 x) run   | 0: torch's GEMMs over the parts stacked       |
+|                         | kernels/router_gemm.py's kernels, the     | (~10 more torch ops per layer step)           |
+|                         | fp32 operands split in registers          |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -48,18 +51,37 @@ single config never goes through the autotuner, which in some Triton versions be
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
 each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``fused_router``,
-``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each new tuning
+``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
-stays until the tuning cache is cleared (``grouped.clear_tuning_cache``).
+stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
+go through :func:`getenv`, ``os.environ.get`` without its per-call encoding (a layer step reads
+~40 switches; ``os.environ.get`` costs ~2 µs of host time each on a slow host).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+
+# os.environ's own table (POSIX: encoded keys -> encoded values), kept current by os.environ's
+# __setitem__ / __delitem__ (what monkeypatch.setenv and ``os.environ[...] = `` use)
+_DATA = getattr(os.environ, "_data", None)
+_KEYS: dict = {}
+
+
+def getenv(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, read at each call, at a tenth of its host cost."""
+    if not isinstance(_DATA, dict):
+        return os.environ.get(name, default)
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS[name] = os.environ.encodekey(name)
+    value = _DATA.get(key)
+    return default if value is None else os.environ.decodevalue(value)
 
 
 def autotune() -> bool:
     """MEGATRON_MOE_AUTOTUNE != "0": tune each kernel's configs per shape."""
-    return os.environ.get("MEGATRON_MOE_AUTOTUNE", "1") != "0"
+    return getenv("MEGATRON_MOE_AUTOTUNE", "1") != "0"
 
 
 def tuning_candidates(configs: list) -> list:
@@ -69,25 +91,25 @@ def tuning_candidates(configs: list) -> list:
 
 def persistent() -> bool:
     """MEGATRON_MOE_PERSISTENT != "0": the row-grouped GEMM may run its persistent configs."""
-    return os.environ.get("MEGATRON_MOE_PERSISTENT", "1") != "0"
+    return getenv("MEGATRON_MOE_PERSISTENT", "1") != "0"
 
 
 def tma_add() -> bool | None:
     """MEGATRON_MOE_TMA_ADD: False ("0": never TMA's reduce-add), True ("1": only it, where it can
     run), None (unset or any other value: the autotuner chooses)."""
-    return {"0": False, "1": True}.get(os.environ.get("MEGATRON_MOE_TMA_ADD"))
+    return {"0": False, "1": True}.get(getenv("MEGATRON_MOE_TMA_ADD"))
 
 
 def shipped_tuning() -> bool:
     """MEGATRON_MOE_TUNING_SHIPPED != "0": read the tables shipped in kernels/tuned/ (0: a fresh
     machine without them, as benchmarks/first_step.py measures one)."""
-    return os.environ.get("MEGATRON_MOE_TUNING_SHIPPED", "1") != "0"
+    return getenv("MEGATRON_MOE_TUNING_SHIPPED", "1") != "0"
 
 
 def tuning_cache() -> str | None:
     """MEGATRON_MOE_TUNING_CACHE: where kernels/tuning.py keeps tuned configs ("0": nowhere;
     unset: its default folder)."""
-    return os.environ.get("MEGATRON_MOE_TUNING_CACHE") or None
+    return getenv("MEGATRON_MOE_TUNING_CACHE") or None
 
 
 def fingerprint() -> str:
@@ -98,36 +120,36 @@ def fingerprint() -> str:
 
 def w_tma() -> bool:
     """MEGATRON_MOE_W_TMA != "0": transposed weights may be read through a tensor descriptor."""
-    return os.environ.get("MEGATRON_MOE_W_TMA", "1") != "0"
+    return getenv("MEGATRON_MOE_W_TMA", "1") != "0"
 
 
 def fused_router() -> bool:
     """MEGATRON_MOE_FUSED_ROUTER != "0": the router's scores, top-k and losses in fused kernels."""
-    return os.environ.get("MEGATRON_MOE_FUSED_ROUTER", "1") != "0"
+    return getenv("MEGATRON_MOE_FUSED_ROUTER", "1") != "0"
 
 
 def fused_norm() -> bool:
     """MEGATRON_MOE_FUSED_NORM != "0": LayerNorm through kernels/layer_norm.py."""
-    return os.environ.get("MEGATRON_MOE_FUSED_NORM", "1") != "0"
+    return getenv("MEGATRON_MOE_FUSED_NORM", "1") != "0"
 
 
 def fused_gelu() -> bool:
     """MEGATRON_MOE_FUSED_GELU != "0": a dense MLP's GELU backward and its first layer's bias
     gradient in one pass (megatron_moe/ops/linear.py's ``linear_gelu``)."""
-    return os.environ.get("MEGATRON_MOE_FUSED_GELU", "1") != "0"
+    return getenv("MEGATRON_MOE_FUSED_GELU", "1") != "0"
 
 
 def bias_grad_kernel() -> bool:
     """MEGATRON_MOE_BIAS_GRAD != "0": a linear layer's bias gradient through kernels/column_sum.py
     (megatron_moe/ops/linear.py)."""
-    return os.environ.get("MEGATRON_MOE_BIAS_GRAD", "1") != "0"
+    return getenv("MEGATRON_MOE_BIAS_GRAD", "1") != "0"
 
 
 def compile_workers() -> int:
     """MEGATRON_MOE_COMPILE_WORKERS: processes that compile a new tuning's candidate configs at once
     (kernels/tuning.py ``precompile``); unset: this rank's share of the CPUs it may run on
     (``LOCAL_WORLD_SIZE`` ranks per node), at most 8; 0 or 1: none."""
-    value = os.environ.get("MEGATRON_MOE_COMPILE_WORKERS", "").strip()
+    value = getenv("MEGATRON_MOE_COMPILE_WORKERS", "").strip()
     if value:
         try:
             return max(0, int(value))
@@ -135,18 +157,18 @@ def compile_workers() -> int:
             raise ValueError(f"MEGATRON_MOE_COMPILE_WORKERS={value!r}: expected a whole number of processes "
                              "(0 or 1: compile one by one)") from None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    ranks = max(1, int(getenv("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(8, cpus // ranks))
 
 
 def gluon_wgrad() -> bool:
     """MEGATRON_MOE_GLUON_WGRAD != "0": a weight gradient kernels/gluon_wgrad.py takes runs there."""
-    return os.environ.get("MEGATRON_MOE_GLUON_WGRAD", "1") != "0"
+    return getenv("MEGATRON_MOE_GLUON_WGRAD", "1") != "0"
 
 
 def gluon_gemm() -> bool:
     """MEGATRON_MOE_GLUON_GEMM != "0": a row-grouped GEMM kernels/gluon_gemm.py takes runs there."""
-    return os.environ.get("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
+    return getenv("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
 
 
 FAST_LAUNCH = "MEGATRON_MOE_FAST_LAUNCH"
@@ -155,4 +177,24 @@ FAST_LAUNCH = "MEGATRON_MOE_FAST_LAUNCH"
 def fast_launch() -> bool:
     """MEGATRON_MOE_FAST_LAUNCH != "0": launches after a key's first call the compiled kernel
     directly (kernels/launcher.py; ``launcher.fast_launches`` sets it for a block)."""
-    return os.environ.get(FAST_LAUNCH, "1") != "0"
+    return getenv(FAST_LAUNCH, "1") != "0"
+
+
+def router_gemm() -> bool:
+    """MEGATRON_MOE_ROUTER_GEMM != "0": the router's logits and their gradients through
+    kernels/router_gemm.py (megatron_moe/ops/router_logits.py)."""
+    return getenv("MEGATRON_MOE_ROUTER_GEMM", "1") != "0"
+
+
+@contextlib.contextmanager
+def setting(name: str, on: bool):
+    """Inside the block, the switch ``name`` (one of the variables above) "1" or "0"; restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -1,15 +1,15 @@
 """Top-k router: logits = x @ router.weight.T, scores in fp32, top-k selection, aux and z losses.
 
-The logits are fp32-accurate. For bf16 input (autocast training) they run on the tensor cores:
-the fp32 weight is split into bf16 parts (hi + mid + lo, 24 bits together), each product of a bf16
-x and a part is exact, and the accumulation is fp32 (``router_logits``); the gradients split
-dL/dlogits the same way. Logits and the weight gradient are as accurate as an fp32 GEMM's, at a
-bf16 GEMM's speed, without the fp32 copy of x that an fp32 GEMM reads and saves. With bf16
-parameters (training's default, megatron_moe/training/precision.py) the weight is already bf16: one part,
-exact products, fp32 accumulation; its gradient is rounded to bf16 and summed into the fp32
-master's.
+The logits are fp32-accurate. For bf16 input (autocast training) they run on the tensor cores
+(ops/router_logits.py): the fp32 weight is split into bf16 parts (hi + mid + lo, 24 bits
+together), each product of a bf16 x and a part is exact, and the accumulation is fp32; the
+gradients split dL/dlogits the same way. Logits and the weight gradient are as accurate as an fp32
+GEMM's, at a bf16 GEMM's speed, without the fp32 copy of x that an fp32 GEMM reads and saves. With
+bf16 parameters (training's default, megatron_moe/training/precision.py) the weight is already
+bf16: one part, exact products, fp32 accumulation; its gradient is rounded to bf16 and summed into
+the fp32 master's.
 
-Legend: T tokens, H hidden, E experts, K top_k, P parts of the split weight.
+Legend: T tokens, H hidden, E experts, K top_k.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch.nn as nn
 from .config import MoEConfig
 from .kernels.router import count_ids, load_balancing_loss, z_loss  # noqa: F401  (the reference's parts)
 from .ops.route import route
+from .ops.router_logits import router_logits
 
 
 @dataclass
@@ -30,68 +31,6 @@ class RouterOutput:
     tokens_per_expert_E: torch.Tensor  # int64 [E]
     aux_loss: torch.Tensor  # fp32 scalar: load-balancing loss (already times its coefficient)
     z_loss: torch.Tensor  # fp32 scalar: z-loss (already times its coefficient)
-
-
-def mm_f32(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """a @ b of bf16 a and b, returned in ``out_dtype``: fp32 output from fp32 accumulation on the
-    tensor cores on CUDA (a bf16 output: torch's bf16 GEMM, which accumulates in fp32 unless
-    cuBLAS splits the reduction); elsewhere exact products and fp32 sums through an fp32 matmul."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=out_dtype) if out_dtype == torch.float32 else torch.mm(a, b).to(out_dtype)
-    return (a.float() @ b.float()).to(out_dtype)
-
-
-def split_bf16(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """bf16 tensors whose fp32 sum is t to ~8 * parts bits (3 parts: t exactly, for fp32 t)."""
-    out, rest = [t.to(torch.bfloat16)], t
-    for _ in range(parts - 1):
-        rest = rest - out[-1]
-        out.append(rest.to(torch.bfloat16))
-    return out
-
-
-class _RouterLogits(torch.autograd.Function):
-    """logits_TE = x_TH @ w_EH.T for bf16 x, fp32 or bf16 w, in fp32.
-
-    Forward: one GEMM against the weight's bf16 parts stacked along E, the parts summed (a bf16
-    weight is its own single part). Backward: g = dL/dlogits in bf16 parts (hi, lo for a bf16
-    weight; hi, mid, lo for an fp32 one), stacked along E into one [T, Q·E] operand A:
-    dw = Σ_q A_qᵀ @ x, and dx = A @ [w; w] (bf16 w) or [A, g_hi] @ [w_hi; w_hi; w_hi; w_mid]
-    (fp32 w; the dropped products are below 2^-16 of Σ|g||w|, and dx is rounded to bf16 anyway)."""
-
-    @staticmethod
-    def forward(ctx, x_TH, w_EH):
-        T, E = x_TH.shape[0], w_EH.shape[0]
-        P = 1 if w_EH.dtype == torch.bfloat16 else 3
-        w_PEH = w_EH if P == 1 else torch.cat(split_bf16(w_EH, P), 0)
-        out = mm_f32(x_TH, w_PEH.t())
-        ctx.save_for_backward(x_TH, w_PEH)
-        ctx.parts, ctx.w_dtype = P, w_EH.dtype
-        return out if P == 1 else out.view(T, P, E).sum(1)
-
-    @staticmethod
-    def backward(ctx, g_TE):
-        x_TH, w_PEH = ctx.saved_tensors
-        E = g_TE.shape[1]
-        g_parts = split_bf16(g_TE, 2 if ctx.parts == 1 else 3)
-        Q = len(g_parts)
-        w_hi = w_PEH[:E]
-        if ctx.parts == 1:  # [g_hi, g_lo] @ [w; w]
-            a_TJ, b_JH = torch.cat(g_parts, 1), torch.cat([w_hi, w_hi], 0)
-        else:  # [g_hi, g_mid, g_lo, g_hi] @ [w_hi; w_hi; w_hi; w_mid]
-            a_TJ, b_JH = torch.cat(g_parts + g_parts[:1], 1), torch.cat([w_hi, w_hi, w_hi, w_PEH[E:2 * E]], 0)
-        dx = mm_f32(a_TJ, b_JH, x_TH.dtype) if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = mm_f32(a_TJ[:, :Q * E].t(), x_TH).view(Q, E, -1).sum(0).to(ctx.w_dtype)
-        return dx, dw
-
-
-def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
-    """fp32 logits x_TH @ w_EH.T: on the tensor cores for bf16 x (fp32 or bf16 w), else in fp32."""
-    if x_TH.dtype == torch.bfloat16 and w_EH.dtype in (torch.float32, torch.bfloat16):
-        return _RouterLogits.apply(x_TH, w_EH)
-    return x_TH.float() @ w_EH.float().t()
 
 
 class TopKRouter(nn.Module):
