@@ -8,11 +8,12 @@ only when the kernel is compiled for a GPU. Triton compiles for a named target w
 so this script runs the real launch paths on CPU tensors with every launch turned into a compile
 for sm_90 (``JITFunction.run(..., warmup=True)`` under a stand-in driver that names the target):
 the layer forward and backward for each expert path, activation, dtype and router variant, the
-fp32 weight-gradient accumulation (TMA reduce-add and load-add-store), the expert-parallel
-permutation, the fused cross-entropy, AdamW and LayerNorm. Nothing runs: buffers are zero-filled, so index
-tensors stay in range for the torch ops between launches. One tile config per kernel
-(``MEGATRON_MOE_AUTOTUNE=0``). Must run in its own process: the kernels must be defined as JIT
-functions, not under ``TRITON_INTERPRET=1`` (tests/kernels/test_compile_hopper.py runs it).
+router GEMMs with bf16 and fp32 weights, the fp32 weight-gradient accumulation (TMA reduce-add
+and load-add-store), the expert-parallel permutation, the fused cross-entropy, AdamW and
+LayerNorm. Nothing runs: buffers are zero-filled, so index tensors stay in range for the torch
+ops between launches. One tile config per kernel (``MEGATRON_MOE_AUTOTUNE=0``). Must run in its
+own process: the kernels must be defined as JIT functions, not under ``TRITON_INTERPRET=1``
+(tests/kernels/test_compile_hopper.py runs it).
 """
 from __future__ import annotations
 
@@ -116,6 +117,14 @@ def scenarios():
                                            aux_coeff=0.01, z_coeff=0.001)
             torch.autograd.backward([w, aux, z], [torch.ones_like(w), torch.ones(()), torch.ones(())])
     yield "router tile shapes", router_shapes
+
+    def router_gemms():  # kernels/router_gemm.py: bf16 and fp32 weights, E past 128, dw's partials
+        from megatron_moe.kernels.router_gemm import logits_dw_triton, logits_dx_triton, logits_triton
+
+        for E, w_dtype in ((64, bf16), (130, torch.float32)):
+            x, w, g = torch.randn(3000, 96, dtype=bf16), torch.randn(E, 96, dtype=w_dtype), torch.randn(3000, E)
+            logits_triton(x, w), logits_dx_triton(g, w, bf16), logits_dw_triton(g, x, w_dtype)
+    yield "router GEMMs", router_gemms
 
     def wgrad_accumulate():
         a, b = torch.randn(256, 64, dtype=bf16), torch.randn(256, 128, dtype=bf16)
