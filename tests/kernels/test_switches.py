@@ -1,0 +1,51 @@
+"""kernels/switches.py's environment reads: ``getenv`` answers as ``os.environ.get`` does after every
+way a test or a user changes the environment, and ``setting`` restores what was there."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_moe.kernels import switches
+
+NAME = "MEGATRON_MOE_TEST_SWITCH"
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "1", "é ü", "a=b"])
+def test_getenv_reads_what_os_environ_reads(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(NAME, raising=False)
+    else:
+        monkeypatch.setenv(NAME, value)
+    for default in (None, "1", ""):
+        assert switches.getenv(NAME, default) == os.environ.get(NAME, default)
+
+
+def test_getenv_follows_changes_after_its_first_read(monkeypatch):
+    monkeypatch.delenv(NAME, raising=False)
+    assert switches.getenv(NAME, "d") == "d"
+    os.environ[NAME] = "x"
+    try:
+        assert switches.getenv(NAME) == "x"
+        monkeypatch.setenv(NAME, "y")
+        assert switches.getenv(NAME) == "y"
+    finally:
+        os.environ.pop(NAME, None)
+    assert switches.getenv(NAME) is None
+
+
+def test_getenv_without_os_environs_table(monkeypatch):
+    monkeypatch.setattr(os, "environ", {NAME: "plain"})
+    assert switches.getenv(NAME) == "plain" and switches.getenv(NAME + "_UNSET", "d") == "d"
+
+
+def test_switch_functions_see_a_setting(monkeypatch):
+    monkeypatch.delenv("MEGATRON_MOE_ROUTER_GEMM", raising=False)
+    assert switches.router_gemm()
+    with switches.setting("MEGATRON_MOE_ROUTER_GEMM", False):
+        assert not switches.router_gemm() and os.environ["MEGATRON_MOE_ROUTER_GEMM"] == "0"
+    assert switches.router_gemm() and "MEGATRON_MOE_ROUTER_GEMM" not in os.environ
+    monkeypatch.setenv("MEGATRON_MOE_ROUTER_GEMM", "0")
+    with switches.setting("MEGATRON_MOE_ROUTER_GEMM", True):
+        assert switches.router_gemm()
+    assert os.environ["MEGATRON_MOE_ROUTER_GEMM"] == "0"
