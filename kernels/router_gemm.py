@@ -35,7 +35,8 @@ from .launcher import launch
 # One fixed config per kernel and dtype of the fp32-split operand (BLOCK_E: the most experts per
 # tile; fewer, a power of two from 16, for fewer experts): the logits' [BLOCK_T, BLOCK_E] tiles of a
 # [T, H] x [H, E] product (E <= 128 in one tile: x read once), dx's [BLOCK_T, BLOCK_H] over E,
-# dw's [BLOCK_E, BLOCK_H] over a block of tokens. benchmarks/bench_router_gemm.py --sweep times others.
+# dw's [BLOCK_E, BLOCK_H] over a block of tokens. Chosen by benchmarks/bench_router_gemm.py --sweep
+# on an H200 (dmoe-small and qwen3 shapes; benchmarks/results/router-gemm-h200-2026-12-02/).
 FWD_CONFIG = {torch.bfloat16: dict(BLOCK_T=64, BLOCK_H=64, BLOCK_E=128, num_warps=8, num_stages=4),
               torch.float32: dict(BLOCK_T=128, BLOCK_H=64, BLOCK_E=128, num_warps=8, num_stages=3)}
 DX_CONFIG = {torch.bfloat16: dict(BLOCK_T=128, BLOCK_H=128, BLOCK_E=64, num_warps=4, num_stages=3),
