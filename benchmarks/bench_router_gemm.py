@@ -22,6 +22,11 @@ SHAPES = {"dmoe-small": (32768, 768, 64), "paper-moe-m": (16384, 1024, 64), "qwe
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def _shape(name):
+    """(T, H, E) of a SHAPES name or of "TxHxE"."""
+    return SHAPES[name] if name in SHAPES else tuple(int(v) for v in name.split("x"))
+
+
 def host_us(fn, n=200):
     for _ in range(5):
         fn()
@@ -58,7 +63,7 @@ def sweep(shapes, w_dtypes, ops, dev):
         wd = DTYPES[wname]
         inputs = []
         for name in shapes:
-            T, H, E = SHAPES[name] if name in SHAPES else tuple(int(v) for v in name.split("x"))
+            T, H, E = _shape(name)
             w = (torch.randn(E, H, device=dev) * 0.02).to(wd)
             inputs.append((name, torch.randn(T, H, device=dev).bfloat16(), w, torch.randn(T, E, device=dev)))
         for op in ops:
@@ -101,15 +106,17 @@ def main(argv=None):
         return
     print(f"{'shape':<16}{'w':<6}{'op':<8}{'kernel ms':>10}{'torch ms':>10}{'kernel µs host':>16}{'torch µs host':>15}")
     for name in args.shapes.split(","):
-        T, H, E = SHAPES[name] if name in SHAPES else tuple(int(v) for v in name.split("x"))
+        T, H, E = _shape(name)
         for wname in args.w_dtypes.split(","):
             wd = DTYPES[wname]
             x = torch.randn(T, H, device=dev).bfloat16()
             w = (torch.randn(E, H, device=dev) * 0.02).to(wd)
             g = torch.randn(T, E, device=dev)
             ops = {"logits": (lambda: rg.logits_triton(x, w), lambda: rg.logits_reference(x, w)),
-                   "dx": (lambda: rg.logits_dx_triton(g, w, x.dtype), lambda: rg.logits_dx_reference(g, w, x.dtype)),
-                   "dw": (lambda: rg.logits_dw_triton(g, x, w.dtype), lambda: rg.logits_dw_reference(g, x, w.dtype))}
+                   "dx": (lambda: rg.logits_dx_triton(g, w, x.dtype),
+                          lambda: rg.logits_backward_reference(g, x, w, need_dw=False)),
+                   "dw": (lambda: rg.logits_dw_triton(g, x, w.dtype),
+                          lambda: rg.logits_backward_reference(g, x, w, need_dx=False))}
             for op, (kern, ref) in ops.items():
                 k_ms = triton.testing.do_bench(kern, warmup=25, rep=100, return_mode="median")
                 r_ms = triton.testing.do_bench(ref, warmup=25, rep=100, return_mode="median")

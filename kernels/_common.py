@@ -22,6 +22,18 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent grids, the blocks of a split
+    reduction), read once per device; 4 elsewhere (the interpreter's stand-in)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Launch the Triton kernel when the tensors are on a GPU, or on the CPU under the interpreter.
 

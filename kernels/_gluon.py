@@ -3,11 +3,9 @@ Triton 3.9 renamed, and the launch rules every one of them checks (sm_90, 16-byt
 count)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ._common import capability, interpret_mode
+from ._common import capability, interpret_mode, num_sms  # noqa: F401  (num_sms: the Gluon kernels' grids)
 
 try:
     from triton.experimental import gluon
@@ -41,11 +39,6 @@ def rows_ok(t: torch.Tensor) -> bool:
     what Triton's specialisation must see for 16-byte copies (rows of an 8-element multiple gave
     wrong sums in gluon_wgrad's kernel on an H200, 2026-11-29)."""
     return t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def maxnreg(num_warps: int, worker_warps: int) -> int:

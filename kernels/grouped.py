@@ -35,7 +35,6 @@ metadata.py's N assignments:
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -50,7 +49,7 @@ except (ImportError, AttributeError):
 
 from . import gluon_gemm, gluon_wgrad, launcher, switches, tuning
 from ._common import (capability, cdiv, dot, expert_segments, input_precision, interpret_mode, next_power_of_2,
-                      use_triton)
+                      num_sms, use_triton)
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
                          gelu_bwd, pre_width_factor, swiglu_bwd)
 from .metadata import max_row_blocks
@@ -643,20 +642,12 @@ def _config(kernel, grid, args, meta, tune_key):
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    """Streaming multiprocessors of a CUDA device (the persistent grid); 4 under the interpreter."""
-    if device_index is None:
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch_gemm(a_MK, w_EKN, offsets_E1, out, act, pre, dscale, *, N, epilogue, gather_S, scatter_S, scale_S,
                  act_scale_S=None):
     S, E, K = out.shape[0], w_EKN.shape[0], a_MK.shape[1]
     dummy = offsets_E1
     num_slots = dscale.shape[1] if dscale is not None else 0
-    sms = _num_sms(a_MK.device.index if a_MK.is_cuda else None)
+    sms = num_sms(a_MK.device)
 
     def grid(meta):
         tiles = max_row_blocks(S, E, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])

@@ -14,21 +14,19 @@ and whose sum, accumulated in fp32, is the operand to 24 bits (three parts) or 1
   dw       dw = Σ_q g_qᵀ @ x               fp32 partials over blocks of tokens, summed in a fixed
                                            order (deterministic), rounded once to w's dtype
 Here each kernel loads the fp32 operand's tile once and splits it in registers. Through torch
-(:func:`logits_reference` and friends, also the CPU path) the same sums take ~10 ops per layer
-step: the parts, their concatenations, two GEMMs and the sum over the parts, each with its host
-cost (docs/performance.md, "The router's GEMMs in Triton").
+(:func:`logits_reference`, :func:`logits_backward_reference`; also the CPU path) the same sums take
+~10 ops per layer step: the parts, their concatenations, two GEMMs and the sum over the parts,
+each with its host cost (docs/performance.md, "The router's GEMMs in Triton").
 
 Legend: T tokens, H hidden, E experts, C blocks of tokens of the weight gradient's partials.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cast, cdiv, dot, next_power_of_2
+from ._common import cast, cdiv, dot, next_power_of_2, num_sms
 from .column_sum import sum_partials
 from .launcher import launch
 
@@ -152,15 +150,6 @@ def _logits_dw_kernel(g_ptr, x_ptr, out_ptr, T, H, E, stride_gt, stride_xt, ROWS
              mask=e_ok[:, None] & h_ok[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int | None) -> int:
-    """Streaming multiprocessors of a CUDA device (how many token blocks dw splits into); 4 under
-    the interpreter."""
-    if device_index is None:
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _check(x_TH: torch.Tensor, w_EH: torch.Tensor) -> None:
     if x_TH.dim() != 2 or w_EH.dim() != 2 or x_TH.shape[1] != w_EH.shape[1]:
         raise ValueError(f"router logits: expected x [T, H] and w [E, H], got {tuple(x_TH.shape)} and "
@@ -217,7 +206,7 @@ def logits_dw_triton(g_TE: torch.Tensor, x_TH: torch.Tensor, out_dtype: torch.dt
     cfg = _config(DW_CONFIG, out_dtype, E)
     block_e, block_t = cfg["BLOCK_E"], cfg["BLOCK_T"]
     tiles = cdiv(E, block_e) * cdiv(H, cfg["BLOCK_H"])
-    sms = _num_sms(dev.index if dev.type == "cuda" else None)
+    sms = num_sms(dev)
     blocks = max(1, min(cdiv(2 * sms, tiles), cdiv(T, 4 * block_t)))  # at least 4 token tiles each
     rows_per_program = cdiv(cdiv(T, blocks), block_t) * block_t
     C = cdiv(T, rows_per_program)
@@ -262,20 +251,24 @@ def logits_reference(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
     return mm_f32(x_TH, torch.cat(split_bf16(w_EH, 3), 0).t()).view(T, 3, E).sum(1)
 
 
-def logits_dx_reference(g_TE: torch.Tensor, w_EH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`logits_dx_triton` through torch: g's parts side by side against w's stacked."""
-    if w_EH.dtype == torch.bfloat16:  # [g_hi, g_lo] @ [w; w]
-        a_TJ, b_JH = torch.cat(split_bf16(g_TE.float(), 2), 1), torch.cat([w_EH, w_EH], 0)
-    else:  # [g_hi, g_mid, g_lo, g_hi] @ [w_hi; w_hi; w_hi; w_mid]
-        g_parts = split_bf16(g_TE.float(), 3)
-        w_hi, w_mid = split_bf16(w_EH, 2)
-        a_TJ, b_JH = torch.cat(g_parts + g_parts[:1], 1), torch.cat([w_hi, w_hi, w_hi, w_mid], 0)
-    return mm_f32(a_TJ, b_JH, out_dtype)
-
-
-def logits_dw_reference(g_TE: torch.Tensor, x_TH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`logits_dw_triton` through torch: one GEMM over g's parts stacked along E, summed."""
-    Q = 2 if out_dtype == torch.bfloat16 else 3
-    g_parts = split_bf16(g_TE.float(), Q)
+def logits_backward_reference(g_TE: torch.Tensor, x_TH: torch.Tensor, w_EH: torch.Tensor, need_dx: bool = True,
+                              need_dw: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx in x's dtype, dw in w's) of :func:`logits_dx_triton` and :func:`logits_dw_triton` through
+    torch, g's parts made once for both: side by side in one operand A, against w's parts stacked
+    for dx (bf16 w: [g_hi, g_lo] @ [w; w]; fp32 w: [g_hi, g_mid, g_lo, g_hi] @ [w_hi; w_hi; w_hi;
+    w_mid]); dw = Σ_q A_qᵀ @ x over A's first Q·E columns (g's Q parts), one GEMM summed over q."""
     E = g_TE.shape[1]
-    return mm_f32(torch.cat(g_parts, 1).t(), x_TH).view(Q, E, -1).sum(0).to(out_dtype)
+    Q = 2 if w_EH.dtype == torch.bfloat16 else 3
+    g_parts = split_bf16(g_TE.float(), Q)
+    a_TJ = torch.cat(g_parts if Q == 2 else g_parts + g_parts[:1], 1)
+    dx = dw = None
+    if need_dx:
+        if Q == 2:
+            b_JH = torch.cat([w_EH, w_EH], 0)
+        else:
+            w_hi, w_mid = split_bf16(w_EH, 2)
+            b_JH = torch.cat([w_hi, w_hi, w_hi, w_mid], 0)
+        dx = mm_f32(a_TJ, b_JH, x_TH.dtype)
+    if need_dw:
+        dw = mm_f32(a_TJ[:, :Q * E].t(), x_TH).view(Q, E, -1).sum(0).to(w_EH.dtype)
+    return dx, dw

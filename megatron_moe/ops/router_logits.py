@@ -16,8 +16,8 @@ import torch
 
 from megatron_moe.kernels._common import use_triton
 from megatron_moe.kernels.switches import router_gemm
-from megatron_moe.kernels.router_gemm import (logits_dw_reference, logits_dw_triton, logits_dx_reference,
-                                              logits_dx_triton, logits_reference, logits_triton)
+from megatron_moe.kernels.router_gemm import (logits_backward_reference, logits_dw_triton, logits_dx_triton,
+                                              logits_reference, logits_triton)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -33,11 +33,11 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TE):
         x_TH, w_EH = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = (logits_dx_triton if ctx.kernels else logits_dx_reference)(g_TE, w_EH, x_TH.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (logits_dw_triton if ctx.kernels else logits_dw_reference)(g_TE, x_TH, w_EH.dtype)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        if not ctx.kernels:
+            return logits_backward_reference(g_TE, x_TH, w_EH, need_dx, need_dw)
+        dx = logits_dx_triton(g_TE, w_EH, x_TH.dtype) if need_dx else None
+        dw = logits_dw_triton(g_TE, x_TH, w_EH.dtype) if need_dw else None
         return dx, dw
 
 

@@ -66,7 +66,7 @@ def compile_only() -> collections.Counter:
     for mod in list(sys.modules.values()):  # _common itself too; modules imported later bind `always`
         if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
             mod.use_triton = always
-    grouped._num_sms = lambda index: 132
+    grouped.num_sms = lambda device: 132
     from megatron_moe.kernels import gluon_gemm, gluon_wgrad  # the Gluon kernels: "an sm_90 GPU" too
     for mod in (gluon_gemm, gluon_wgrad):
         mod.on_sm90 = lambda t: True

@@ -93,7 +93,7 @@ def schedule(request, monkeypatch):
         cfg = triton.Config(dict(base.kwargs, PERSISTENT=1), num_warps=base.num_warps, num_stages=base.num_stages,
                             pre_hook=base.pre_hook)
         monkeypatch.setattr(kern, "configs", [cfg])
-        monkeypatch.setattr(G, "_num_sms", lambda device_index: 2)
+        monkeypatch.setattr(G, "num_sms", lambda device: 2)
         G.clear_tuning_cache()
         yield True
         G.clear_tuning_cache()

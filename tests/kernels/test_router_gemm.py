@@ -69,8 +69,7 @@ def test_kernels_match_float64(T, H, E, w_dtype):
 @pytest.mark.parametrize("T, H, E", SHAPES)
 def test_references_match_float64(T, H, E, w_dtype):
     x, w, dl = _inputs(T, H, E, w_dtype, 7 * T + E)
-    _check(x, w, dl, rg.logits_reference(x, w), rg.logits_dx_reference(dl, w, x.dtype),
-           rg.logits_dw_reference(dl, x, w.dtype))
+    _check(x, w, dl, rg.logits_reference(x, w), *rg.logits_backward_reference(dl, x, w))
 
 
 @needs_triton_kernels
