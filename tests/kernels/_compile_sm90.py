@@ -90,7 +90,7 @@ def _layer_step(impl, dtype, **kw):
 
 def scenarios():
     from megatron_moe.kernels.adamw import adamw_step_, hyperparameters
-    from megatron_moe.kernels.grouped import grouped_gemm, grouped_wgrad
+    from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
     from megatron_moe.kernels.metadata import routing_metadata
     from megatron_moe.ops.cross_entropy import lm_cross_entropy
     from megatron_moe.ops.permute import permute_tokens, unpermute_tokens
@@ -98,6 +98,14 @@ def scenarios():
     bf16 = torch.bfloat16
     yield "triton_grouped bf16 gelu top-2", lambda: _layer_step("triton_grouped", bf16)
     yield "triton_grouped fp32 gelu", lambda: _layer_step("triton_grouped", torch.float32)
+
+    def gluon_off():  # the Triton kernels where the Gluon ones take the bf16 calls (its W_TMA path: wᵀ)
+        os.environ["MEGATRON_MOE_GLUON_GEMM"] = "0"
+        try:
+            _layer_step("triton_grouped", bf16, activation="swiglu")
+        finally:
+            del os.environ["MEGATRON_MOE_GLUON_GEMM"]
+    yield "triton_grouped bf16 swiglu, Gluon GEMMs off", gluon_off
     yield "triton_grouped bf16 swiglu, sigmoid router, expert bias, renormalised", lambda: _layer_step(
         "triton_grouped", bf16, activation="swiglu", score_function="sigmoid", expert_bias=True,
         normalize_top_k=True)
@@ -144,13 +152,17 @@ def scenarios():
         grouped_wgrad(a, b, offsets, gather_b_S=token)
     yield "Gluon weight gradient (gather on a, on b)", wgrad_gluon
 
-    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows) and swiglu (gathered or sorted rows)
+    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ) and swiglu (gathered or sorted rows)
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)
         offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
         token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
         grouped_gemm(a, w, offsets)
         grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight)
         grouped_gemm(a, w, offsets, activation="swiglu")
+        grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
+        for act, cols in (("swiglu", 512), ("gelu", 256)):  # the activation's backward over pre, w2ᵀ
+            grouped_gemm_dact(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets,
+                              torch.randn(256, cols, dtype=bf16), act, gather_S=token, scale_S=weight, inplace=True)
     yield "Gluon row-grouped GEMM", gemm_gluon
 
     def permutation():
