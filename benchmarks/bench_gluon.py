@@ -10,8 +10,9 @@ Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
 (gather on b). Up projections: pre[s] = x[t(s)] @ w1[e] with swiglu times the router weight in
 the epilogue (the tokens t(s) in a random order). Down projections: y[s] = wact[s] @ w2[e],
-sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted rows. dact: the activation's
-backward, g = dy[t(s)] @ w2[e]ᵀ with dpre = scale·g·act'(pre) written over pre (``--only dact``).
+sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted rows (w1's storage read transposed).
+(A Gluon kernel of the activation's backward, measured here on 2026-12-02 and slower than the
+Triton kernel, is in commit 0023104.)
 Median of ``triton.testing.do_bench``; TFLOP/s = 2 S K N / time. Correctness: tests/kernels/test_gluon_*.py
 (run them first: ``pytest tests/kernels/test_gluon_wgrad.py tests/kernels/test_gluon_gemm.py -m gpu``).
 """
@@ -40,28 +41,20 @@ GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none
     "sonic-1536 dx": (262144, 128, 512, 1536, 0, "t"), "sonic-4096 dx": (131072, 64, 2048, 4096, 0, "t"),
     "fine-64e dx": (65536, 64, 1024, 2048, 0, "t"),
 }
-DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens gathered from, activation)
-    # g = dy[t(s)] @ w2[e]ᵀ with the activation's backward over pre and Σ_n g·act(pre) (grouped_gemm_dact)
-    "qwen3 dact": (131072, 128, 2048, 768, 16384, "swiglu"), "olmoe dact": (131072, 64, 2048, 1024, 16384, "swiglu"),
-    "sonic-1536 dact": (262144, 128, 1536, 256, 32768, "swiglu"),
-    "sonic-4096 dact": (131072, 64, 4096, 1024, 32768, "swiglu"),
-    "fine-64e dact": (65536, 64, 2048, 1024, 8192, "gelu"), "dmoe-small dact": (32768, 64, 768, 3072, 32768, "gelu"),
-    "paper-moe-m dact": (16384, 64, 1024, 4096, 16384, "gelu"),
-}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="comma-separated kinds among wgrad, gemm, dact (default: all)")
+    ap.add_argument("--only", help="wgrad or gemm (default: both)")
     args = ap.parse_args(argv)
-    kinds = set((args.only or "wgrad,gemm,dact").split(","))
+    kinds = set((args.only or "wgrad,gemm").split(","))
 
     import torch
     import triton.testing
 
     from megatron_moe.kernels import gluon_gemm, gluon_wgrad
-    from megatron_moe.kernels.grouped import grouped_gemm_dact_triton, grouped_gemm_triton, grouped_wgrad_triton
+    from megatron_moe.kernels.grouped import grouped_gemm_triton, grouped_wgrad_triton
 
     device = torch.device("cuda")
     rows = []
@@ -105,27 +98,6 @@ def main(argv=None) -> None:
         }
         tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
         rows.append(dict(kind="gemm", shape=name, rows=S, experts=E, K=K, N=N, gather=bool(T), activation=act, ms=ms,
-                         tflops=tflops))
-        print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
-              f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
-    for name, (S, E, K, N, T, act) in DACT_SHAPES.items() if "dact" in kinds else ():
-        offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
-        dy = torch.randn(T, K, device=device, dtype=torch.bfloat16)
-        w2 = torch.randn(E, N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
-        pre = torch.randn(S, 2 * N if act == "swiglu" else N, device=device, dtype=torch.bfloat16)
-        kw = dict(gather_S=torch.randint(0, T, (S,), device=device, dtype=torch.int32),
-                  scale_S=torch.rand(S, device=device), inplace=True)  # over pre, as the layer runs it
-        args_ = (dy, w2.transpose(1, 2), offsets, pre, act)
-        assert gluon_gemm.dact_supported(*args_[:5], gather_S=kw["gather_S"], scale_S=kw["scale_S"]), name
-        dy_sorted = dy[kw["gather_S"]]
-        ms = {
-            "gluon": triton.testing.do_bench(lambda: gluon_gemm.grouped_gemm_dact_gluon(*args_, **kw)),
-            "triton": triton.testing.do_bench(lambda: grouped_gemm_dact_triton(*args_, **kw)),
-            "cutlass": triton.testing.do_bench(lambda: torch._grouped_mm(dy_sorted, w2.transpose(1, 2),
-                                                                         offs=offsets[1:])),
-        }
-        tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
-        rows.append(dict(kind="dact", shape=name, rows=S, experts=E, K=K, N=N, gather=True, activation=act, ms=ms,
                          tflops=tflops))
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)

@@ -1,11 +1,12 @@
 """The row-grouped GEMM for Hopper in Gluon: the layer's SwiGLU up projection (gather fused, the
-activation in the epilogue) and its down projection at top-k > 1 (sorted rows);
+activation in the epilogue), its down projection and its input gradient at top-k > 1 (sorted rows);
 warp-specialised and persistent, full tiles stored by the tensor-memory unit while the next tile
 multiplies.
 
     pre_SX, wact_SF = grouped_gemm_gluon(x_TH, w1_EHX, offsets_E1, gather_S=token_S,
                                          activation="swiglu", act_scale_S=weight_S)  # up projection
     y_SH = grouped_gemm_gluon(wact_SF, w2_EFH, offsets_E1)                           # down, top-k > 1
+    dx_SH = grouped_gemm_gluon(dpre_SX, w1_EHX.transpose(1, 2), offsets_E1)           # input gradient
 
 out[s] = epilogue(a[gather(s)] @ w[e]) for the sorted rows s of expert e, bf16 in and
 out, fp32 sums: what kernels/grouped.py's ``grouped_gemm`` computes, within :func:`supported`.
@@ -17,7 +18,9 @@ One program per SM walks output tiles (128 sorted rows of one expert, columns fa
 are listed on the device (:func:`_tile_table`: per 128-row tile its expert, first row and the
 expert's end; torch ops, no host read). Two kernels:
   plain (no gather, no activation; 256 columns a tile): a producer warp issues the TMA loads of a
-      three-slot ring, a's 128 rows and w's 64 x 256 block per step; two MMA warpgroups multiply
+      three-slot ring, a's 128 rows and w's 64 x 256 block per step (a transposed w, the view of a
+      contiguous [E, N, K]: a 256 x 64 block of that storage, which the MMAs read transposed from
+      shared memory); two MMA warpgroups multiply
       with one asynchronous ``warpgroup_mma`` in flight. A tile whose rows are all its expert's is
       stored by TMA through shared memory, waited for only before the buffer's next use; an
       expert's last, partial tile (a TMA store would write the next expert's rows) goes through
@@ -33,10 +36,13 @@ Rows a tile reads past its expert's end multiply into output rows that are not s
 Measured on an H200 (docs/performance.md, "A Gluon down projection", "A Gluon up projection"):
 the plain kernel 1.09-1.26x the Triton kernel at the layer's down projections, the swiglu kernel
 0.96-1.07x at its up projections. GELU's epilogue in the same structure measured slower than the
-Triton kernel, and so did the top-1 scatter from the plain kernel (both stay there). Takes bf16 a
-with 16-byte aligned rows (row stride a multiple of 16 elements), contiguous w [E, K, N] with K a
-multiple of 64 (a step never reads another expert's w) and N of 16 (swiglu: of 256, so the gate's
-blocks lie inside its half). Gluon does not run under the interpreter: on the CPU the kernels are
+Triton kernel, and so did the top-1 scatter from the plain kernel (both stay there); the plain
+kernel on the input gradient's w1ᵀ ran 0.99-1.11x the Triton kernel, and a kernel of this
+structure for the activation's backward (commit 0023104) 0.76-1.07x, so that GEMM stays in Triton.
+Takes bf16 a with 16-byte aligned rows (row stride a multiple of 16 elements), w [E, K, N]
+contiguous (the plain kernel: or the transposed view of a contiguous [E, N, K]) with K a multiple
+of 64 (a step never reads another expert's w) and N of 16 (swiglu: of 256, so the gate's blocks lie
+inside its half). Gluon does not run under the interpreter: on the CPU the kernels are
 only compiled (tests/kernels/_compile_sm90.py); tests/kernels/test_gluon_gemm.py runs them on a GPU.
 """
 from __future__ import annotations
@@ -54,7 +60,6 @@ from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
-DACT_NUM_BUF = 4  # the dact kernel's ring: its steps (128 x 128 x 64) are half the others'; 192 KB with pre's blocks
 
 if gluon is not None:
     # ------------------------------------------------------------------------------------------
@@ -197,13 +202,12 @@ if gluon is not None:
         return rows, mask
 
     @gluon.jit
-    def _gather_producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+    def _swiglu_producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
                          w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER: gl.constexpr,
                          BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                         PRODUCER_WARPS: gl.constexpr, W_T: gl.constexpr):
+                         PRODUCER_WARPS: gl.constexpr):
         """Per tile, per step of BLOCK_K: wait for a free slot, the TMA loads of w's gate and up
-        column blocks (W_T: the one [HALF_N, BLOCK_K] block of w's [E, F, K] storage) and the
-        cp.async of a's rows (the next tile's rows loaded a tile ahead)."""
+        column blocks and the cp.async of a's rows (the next tile's rows loaded a tile ahead)."""
         # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
         load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
         pid, nprog, tiles_n, my_tiles, total = _my_tiles(num_m_ptr, F, HALF_N)
@@ -218,13 +222,9 @@ if gluon is not None:
                 slot = count % NUM_BUF
                 mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
                 bar = w_ready.index(slot)
-                if W_T:
-                    mbarrier.expect(bar, w_desc.block_type.nbytes)
-                    tma_load(w_desc, [e * F + n0, kk * BLOCK_K], bar, w_bufs.index(slot))  # storage [E * F, K]
-                else:
-                    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
-                    tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot))  # w as [E * K, 2F]
-                    tma_load(w_desc, [e * K + kk * BLOCK_K, F + n0], bar, w_bufs.index(2 * slot + 1))
+                mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+                tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot))  # w as [E * K, 2F]
+                tma_load(w_desc, [e * K + kk * BLOCK_K, F + n0], bar, w_bufs.index(2 * slot + 1))
                 cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
                 ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :]
                 async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
@@ -337,128 +337,9 @@ if gluon is not None:
                                 tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F,
                                 stride_pm, stride_am_out, HAS_ACT_SCALE, BLOCK_M, HALF_N, BLOCK_K, NUM_BUF,
                                 NUM_WARPS)),
-            (_gather_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+            (_swiglu_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
                                 w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER, BLOCK_M, HALF_N,
-                                BLOCK_K, NUM_BUF, PRODUCER_WARPS, False)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-    # ---- dact: g = a[gather] @ wᵀ with the activation's backward in the epilogue, over pre --------
-
-    @gluon.jit
-    def _gelu_and_grad(h):
-        """kernels/activation.py's gelu_and_grad with the hardware's tanh (its FAST path)."""
-        t = _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h))
-        act = 0.5 * h * (1.0 + t)
-        grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-        return act, grad
-
-    @gluon.jit
-    def _dact_consumer(pre_ptr, pre_desc, pre_smem, pre_bar, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                       num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F, stride_pm, num_slots,
-                       SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """One MMA a step (one in flight; the slot of the step before freed); halfway through a
-        tile's steps, the TMA loads of its pre-activation blocks (the last tile's stores, from the
-        same buffers, waited for first); the epilogue: dpre over pre's blocks (TMA stores, or the
-        expert's last tile's rows from registers) and Σ_n g·act(pre) into its row-sum slot."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                             instr_shape=[16, HALF_N, 16])
-        NUM_PRE: gl.constexpr = 2 if SWIGLU else 1
-        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, F, HALF_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        count = 0
-        for i in range(my_tiles):
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, HALF_N)
-            row0 = gl.load(tile_row_ptr + m)
-            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            scale = rows  # unused without HAS_SCALE
-            if HAS_SCALE:  # in flight during the MMAs
-                scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
-            acc = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
-            for kk in range(k_steps):
-                slot = count % NUM_BUF
-                phase = (count // NUM_BUF) & 1
-                mbarrier.wait(w_ready.index(slot), phase)
-                mbarrier.wait(a_ready.index(slot), phase)
-                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
-                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is done: its slot free
-                barrier()  # both warpgroups' (and, past the epilogue, their reads of pre_smem)
-                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
-                if kk == k_steps // 2:
-                    tma.store_wait(0)  # the last tile's dpre stores have read pre_smem
-                    mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
-                    tma_load(pre_desc, [row0, n0], pre_bar, pre_smem.index(0))
-                    if SWIGLU:
-                        tma_load(pre_desc, [row0, F + n0], pre_bar, pre_smem.index(1))
-                count += 1
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            barrier()
-            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            mbarrier.wait(pre_bar, i & 1)
-            g = acc
-            if HAS_SCALE:
-                g = acc * scale[:, None]
-            h = pre_smem.index(0).load(acc_layout).to(gl.float32)
-            if SWIGLU:  # kernels/activation.py's swiglu_bwd, its FAST path
-                up = pre_smem.index(1).load(acc_layout).to(gl.float32)
-                sig = 0.5 + 0.5 * _tanh(0.5 * h)
-                silu = h * sig
-                act = silu * up
-                dh = (g * up * sig * (1.0 + h * (1.0 - sig))).to(gl.bfloat16)
-                dup = (g * silu).to(gl.bfloat16)
-            else:
-                act, grad = _gelu_and_grad(h)
-                dh = (g * grad).to(gl.bfloat16)
-                dup = dh  # unused
-            gl.store(dscale_ptr + rows.to(gl.int64) * num_slots + n0 // HALF_N, gl.sum(acc * act, axis=1),
-                     mask=rows < row_end)
-            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
-                barrier()  # every thread's reads of pre_smem done
-                pre_smem.index(0).store(dh)
-                if SWIGLU:
-                    pre_smem.index(1).store(dup)
-                fence_async_shared()
-                tma_store(pre_desc, [row0, n0], pre_smem.index(0))
-                if SWIGLU:
-                    tma_store(pre_desc, [row0, F + n0], pre_smem.index(1))
-            else:  # the expert's last tile: its rows only
-                X = F * NUM_PRE
-                _store_rows(pre_ptr, dh, row0, row_end, n0, X, stride_pm, BLOCK_M, HALF_N, acc_layout)
-                if SWIGLU:
-                    _store_rows(pre_ptr, dup, row0, row_end, F + n0, X, stride_pm, BLOCK_M, HALF_N, acc_layout)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _grouped_gemm_dact_kernel(a_ptr, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr,
-                                  tile_row_ptr, tile_end_ptr, num_m_ptr, K, F, stride_am, stride_pm, num_slots,
-                                  SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr,
-                                  BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                                  NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-                                  PRODUCER_REGS: gl.constexpr):
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
-        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [2 if SWIGLU else 1] + pre_desc.block_type.shape,
-                                             pre_desc.layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        pre_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
-            mbarrier.init(w_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
-            mbarrier.init(empty_bars.index(i), count=1)
-        mbarrier.init(pre_bar, count=1)
-        gl.warp_specialize([
-            (_dact_consumer, (pre_ptr, pre_desc, pre_smem, pre_bar, dscale_ptr, scale_ptr, tile_row_ptr,
-                              tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F, stride_pm,
-                              num_slots, SWIGLU, HAS_SCALE, BLOCK_M, HALF_N, BLOCK_K, NUM_BUF, NUM_WARPS)),
-            (_gather_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
-                                w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER, BLOCK_M, HALF_N,
-                                BLOCK_K, NUM_BUF, PRODUCER_WARPS, True)),
+                                BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -471,7 +352,8 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
               act_scale_S=None, out_dtype=None) -> bool:
     """Whether ``grouped_gemm`` with these arguments runs here: bf16 a and contiguous w [E, K, N],
     a bf16 result, no ``scale_S``, K a multiple of 64 and N of 16; either no gather and no
-    activation (the plain kernel) or swiglu with N a multiple of 256 (the swiglu kernel); no
+    activation (the plain kernel, which also takes w as the transposed view of a contiguous
+    [E, N, K]) or swiglu with N a multiple of 256 (the swiglu kernel); no
     scatter; on an sm_90 GPU, Gluon available, the switch on. (GELU's epilogue and the top-1
     scatter, both measured slower than the Triton kernel, stay there: docs/performance.md.)"""
     if not (switches.gluon_gemm() and available()):
@@ -499,36 +381,6 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
     if not (w_EKN.is_contiguous() or (activation is None and _transposed(w_EKN))):
         return False
     if activation is not None and N % (2 * HALF_N):  # the gate's 128-column blocks inside its half
-        return False
-    return rows_ok(a_MK) and on_sm90(a_MK)
-
-
-def dact_supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None) -> bool:
-    """Whether ``grouped_gemm_dact`` with these arguments runs here: bf16 a, w and pre, w the
-    transposed view of a contiguous [E, N, K] tensor (the backward's w2ᵀ), K a multiple of 64,
-    N of 16 (swiglu: of 128, so a tile's gate block lies inside the gate half), pre's rows
-    16-byte aligned and contiguous, an fp32 ``scale_S``; on an sm_90 GPU, Gluon available, the
-    switch on."""
-    if not (switches.gluon_gemm() and available()) or activation not in ("gelu", "swiglu"):
-        return False
-    if any(t.dtype != torch.bfloat16 for t in (a_MK, w_EKN, pre_SX)):
-        return False
-    if a_MK.dim() != 2 or w_EKN.dim() != 3 or offsets_E1.dim() != 1 or pre_SX.dim() != 2:
-        return False
-    if offsets_E1.shape[0] != w_EKN.shape[0] + 1 or w_EKN.shape[0] == 0:
-        return False
-    for idx in (gather_S, scale_S):
-        if idx is not None and (idx.dim() != 1 or not idx.is_contiguous()):
-            return False
-    if scale_S is not None and scale_S.dtype != torch.float32:
-        return False
-    S = gather_S.shape[0] if gather_S is not None else a_MK.shape[0]
-    K, N = a_MK.shape[1], w_EKN.shape[2]
-    if min(S, K, N) == 0 or K % BLOCK_K or N % (HALF_N if activation == "swiglu" else 16):
-        return False
-    if not _transposed(w_EKN) or w_EKN.data_ptr() % 16:
-        return False
-    if pre_SX.shape != (S, N * (2 if activation == "swiglu" else 1)) or not rows_ok(pre_SX):
         return False
     return rows_ok(a_MK) and on_sm90(a_MK)
 
@@ -606,27 +458,3 @@ def _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S):
                 maxnreg=maxnreg(NUM_WARPS, SWIGLU_PRODUCER_WARPS)))
     return pre, act
 
-
-def grouped_gemm_dact_gluon(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
-                            inplace=False):
-    """``grouped_gemm_dact``'s result (dpre, Σ_n g·act(pre)), within what :func:`dact_supported`
-    takes (checked there, not here). Not ``inplace``: pre is copied first and the copy overwritten."""
-    S, K = pre_SX.shape[0], a_MK.shape[1]
-    E, _, N = w_EKN.shape
-    dev = a_MK.device
-    dpre = pre_SX if inplace else pre_SX.clone()
-    num_slots = cdiv(N, HALF_N)
-    dscale_part = torch.empty(S, num_slots, device=dev, dtype=torch.float32)
-    tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
-    half = _layout(BLOCK_M, HALF_N)
-    w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [HALF_N, BLOCK_K], _layout(HALF_N, BLOCK_K))
-    pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [BLOCK_M, HALF_N], half)
-    launch(_grouped_gemm_dact_kernel, (num_sms(dev),),
-           (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
-            scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
-            dpre.stride(0), num_slots),
-           dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
-                BLOCK_M=BLOCK_M, HALF_N=HALF_N, BLOCK_K=BLOCK_K, NUM_BUF=DACT_NUM_BUF, NUM_WARPS=NUM_WARPS,
-                PRODUCER_WARPS=SWIGLU_PRODUCER_WARPS, PRODUCER_REGS=SWIGLU_PRODUCER_REGS, num_warps=NUM_WARPS,
-                maxnreg=maxnreg(NUM_WARPS, SWIGLU_PRODUCER_WARPS)))
-    return dpre, dscale_part.sum(1)

@@ -960,10 +960,6 @@ def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=N
       dscale_S fp32 [S]: Σ_n g·act(pre), i.e. dL/d scale(s) when the forward multiplied the
               expert output by scale(s) (act recomputed from pre, not read).
     """
-    if gluon_gemm.dact_supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S):
-        _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S)
-        return gluon_gemm.grouped_gemm_dact_gluon(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S,
-                                                  scale_S=scale_S, inplace=inplace)
     fn = grouped_gemm_dact_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_dact_reference
     return fn(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S, inplace=inplace)
 

@@ -32,7 +32,8 @@
 |                         | kernels/gluon_wgrad.py's kernel on sm_90  | gradient                                      |
 |                         | where it applies (``supported``)          |                                               |
 | MEGATRON_MOE_GLUON_GEMM | a bf16 row-grouped GEMM (the up and down  | 0: the Triton kernel for every row-grouped    |
-|                         | projections) runs kernels/gluon_gemm.py's | GEMM                                          |
+|                         | projections, the input gradient) runs     | GEMM                                          |
+|                         | kernels/gluon_gemm.py's                   |                                               |
 |                         | kernels on sm_90 where they apply         |                                               |
 |                         | (``supported``)                           |                                               |
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |

@@ -90,7 +90,7 @@ def _layer_step(impl, dtype, **kw):
 
 def scenarios():
     from megatron_moe.kernels.adamw import adamw_step_, hyperparameters
-    from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
+    from megatron_moe.kernels.grouped import grouped_gemm, grouped_wgrad
     from megatron_moe.kernels.metadata import routing_metadata
     from megatron_moe.ops.cross_entropy import lm_cross_entropy
     from megatron_moe.ops.permute import permute_tokens, unpermute_tokens
@@ -160,9 +160,6 @@ def scenarios():
         grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight)
         grouped_gemm(a, w, offsets, activation="swiglu")
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
-        for act, cols in (("swiglu", 512), ("gelu", 256)):  # the activation's backward over pre, w2ᵀ
-            grouped_gemm_dact(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets,
-                              torch.randn(256, cols, dtype=bf16), act, gather_S=token, scale_S=weight, inplace=True)
     yield "Gluon row-grouped GEMM", gemm_gluon
 
     def permutation():

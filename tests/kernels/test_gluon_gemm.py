@@ -1,6 +1,6 @@
 """The Gluon row-grouped GEMMs (kernels/gluon_gemm.py): their tile table and which calls they take
 on the CPU, and on an sm_90 GPU their results against the float64 reference (the up and down
-projections, the input gradient's wᵀ, the activation's backward over pre).
+projections, the input gradient's wᵀ).
 
     pytest tests/kernels/test_gluon_gemm.py          # CPU: the tile table, the dispatch rules
     pytest tests/kernels/test_gluon_gemm.py -m gpu   # sm_90: the kernels against the reference
@@ -8,17 +8,11 @@ projections, the input gradient's wᵀ, the activation's backward over pre).
 Gluon does not run under Triton's interpreter; tests/kernels/test_compile_hopper.py compiles the
 kernels for sm_90 on the CPU.
 """
-import os
-import sys
-
 import pytest
 import torch
 
 from megatron_moe.kernels import gluon_gemm as GG
 from megatron_moe.kernels import grouped as G
-
-sys.path.insert(0, os.path.dirname(__file__))
-import _float64 as f64  # noqa: E402
 
 bf16 = torch.bfloat16
 
@@ -161,65 +155,6 @@ def test_grouped_gemm_bad_shapes_get_its_own_error(as_if_sm90):
         G.grouped_gemm(a[0], w, offsets)
 
 
-def _dact_operands(activation="swiglu", S=300, K=192, N=256, E=3):
-    """dy [40, K] gathered by a token index, w2ᵀ (the view of a contiguous [E, N, K]), pre [S, X], scale."""
-    X = 2 * N if activation == "swiglu" else N
-    return (torch.randn(40, K).to(bf16), torch.randn(E, N, K).to(bf16).transpose(1, 2), _offsets([100, 0, 200][:E]),
-            torch.randn(S, X).to(bf16), activation), dict(gather_S=torch.randint(0, 40, (S,)).to(torch.int32),
-                                                          scale_S=torch.rand(S))
-
-
-@pytest.mark.parametrize("case", ["swiglu", "gelu", "gelu, N a multiple of 16 only", "no gather, no scale"])
-def test_dact_supported_takes(as_if_sm90, case):
-    args, kw = _dact_operands("gelu" if case.startswith("gelu") else "swiglu")
-    if case == "gelu, N a multiple of 16 only":
-        args, kw = _dact_operands("gelu", N=272)
-    elif case == "no gather, no scale":
-        args = (torch.randn(300, 192).to(bf16),) + args[1:]
-        kw = {}
-    assert GG.dact_supported(*args, **kw)
-
-
-@pytest.mark.parametrize("case", ["switch off", "fp32", "contiguous w (not a transposed view)",
-                                  "swiglu, N not a multiple of 128", "K not a multiple of 64", "pre of another width",
-                                  "pre's rows not 16-element aligned", "bf16 scale", "unknown activation", "no rows"])
-def test_dact_supported_refuses(as_if_sm90, monkeypatch, case):
-    (a, w, offsets, pre, act), kw = _dact_operands()
-    if case == "switch off":
-        monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "0")
-    elif case == "fp32":
-        a, w, pre = a.float(), w.float(), pre.float()
-    elif case == "contiguous w (not a transposed view)":
-        w = w.contiguous()
-    elif case == "swiglu, N not a multiple of 128":  # a tile's gate block would reach into the up half
-        (a, w, offsets, pre, act), kw = _dact_operands(N=272)
-    elif case == "K not a multiple of 64":
-        a, w = a[:, :160].contiguous(), torch.randn(3, 256, 160).to(bf16).transpose(1, 2)
-    elif case == "pre of another width":
-        pre = pre[:, :256].contiguous()
-    elif case == "pre's rows not 16-element aligned":
-        pre = torch.randn(300, 520).to(bf16)[:, :512]
-    elif case == "bf16 scale":
-        kw["scale_S"] = kw["scale_S"].to(bf16)
-    elif case == "unknown activation":
-        act = "relu"
-    elif case == "no rows":
-        offsets, pre, kw = torch.zeros(4, dtype=torch.int32), pre[:0], {}
-        a = a[:0]
-    assert GG.dact_supported(a, w, offsets, pre, act, **kw) is False
-
-
-def test_grouped_gemm_dact_sends_what_the_kernel_takes_there(monkeypatch):
-    calls = []
-    monkeypatch.setattr(GG, "dact_supported", lambda *a, **kw: True)
-    monkeypatch.setattr(GG, "grouped_gemm_dact_gluon", lambda *a, **kw: calls.append(kw) or "gluon")
-    args, kw = _dact_operands()
-    assert G.grouped_gemm_dact(*args, **kw, inplace=True) == "gluon"
-    assert calls == [dict(kw, inplace=True)]
-    with pytest.raises(ValueError, match="pre_SX"):  # the Triton path's checks run first
-        G.grouped_gemm_dact(*args[:3], args[3][:, :256], "swiglu", **kw)
-
-
 # ----------------------------------------------------------------------------------------------
 # The kernels (GPU)
 # ----------------------------------------------------------------------------------------------
@@ -294,52 +229,3 @@ def test_gluon_gemm_matches_float64_reference(case, variant, monkeypatch):
         want_act = G._activation_reference(got[0][:S].cpu().double(), activation, scale, torch.float64)
         _close(got[1][:S].cpu(), want_act, f"{variant}, act")
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_gluon_dact_matches_float64_reference(case, activation, monkeypatch):
-    """g = dy[t(s)] @ w2[e]ᵀ, dpre = scale(s)·g·act'(pre) over pre, dscale = Σ_n g·act(pre), in float64."""
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
-    if not _on_gpu_sm90():
-        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
-    K, N, counts = CASES[case]
-    gen = torch.Generator().manual_seed(3)
-    offsets = _offsets(counts, "cuda")
-    S, E = sum(counts), len(counts)
-    X = 2 * N if activation == "swiglu" else N
-    dy = torch.randn(40, K, generator=gen).to(bf16).cuda()
-    w2 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).to(bf16).cuda()
-    pre = torch.randn(S, X, generator=gen).to(bf16).cuda()
-    token = torch.randint(0, 40, (S,), generator=gen).to(torch.int32).cuda()
-    scale = torch.rand(S, generator=gen).cuda()
-    args = (dy, w2.transpose(1, 2), offsets, pre, activation)
-    if S == 0:  # no rows: the Triton launcher's (it launches nothing)
-        assert not GG.dact_supported(*args, gather_S=token, scale_S=scale)
-        return
-    assert GG.dact_supported(*args, gather_S=token, scale_S=scale), "the Gluon kernel must take this call"
-    h = pre.double().cpu()
-    pre_in = pre.clone()
-    dpre, dscale = G.grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre_in, activation, gather_S=token,
-                                       scale_S=scale, inplace=True)
-    assert dpre.data_ptr() == pre_in.data_ptr() and dpre.dtype == bf16 and dscale.dtype == torch.float32
-    e_S = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
-    g = torch.stack([dy[int(t)].double().cpu() @ w2[int(e)].double().cpu().t() for t, e in zip(token.cpu(), e_S)])
-    if activation == "gelu":
-        act, dact = f64.gelu_and_grad(h)
-        want = g * dact
-    else:
-        act, dgate, dup = f64.swiglu_and_grads(*h.chunk(2, dim=1))
-        want = torch.cat([g * dgate, g * dup], 1)
-    want = want * scale.double().cpu()[:, None]
-    # bf16's rounding of each value, the hardware tanh's 2^-11 and the fp32 sums' order
-    err = (dpre.cpu().double() - want).abs()
-    bound = want.abs() * 2.0 ** -7 + 2e-3 * want.abs().max()
-    assert (err <= bound).all(), f"dpre: max error {err.max().item():.3e}, {(err > bound).sum().item()} over"
-    want_s = (g * act).sum(1)
-    assert ((dscale.cpu().double() - want_s).abs() <= 2e-3 * want_s.abs().max()).all(), "dscale"
-    # not in place: pre kept, the same result
-    pre2 = pre.clone()
-    dpre2, dscale2 = G.grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre2, activation, gather_S=token,
-                                         scale_S=scale)
-    assert torch.equal(pre2, pre) and torch.equal(dpre2, dpre) and torch.equal(dscale2, dscale)
