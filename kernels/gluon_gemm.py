@@ -50,9 +50,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from . import switches
-from ._common import cdiv
+from ._common import cdiv, next_power_of_2, use_triton
 from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
                      maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
                      warpgroup_mma_wait)
@@ -391,10 +393,57 @@ def _transposed(w_EKN) -> bool:
     return w_EKN.transpose(1, 2).is_contiguous() and not w_EKN.is_contiguous()
 
 
+_TABLE_BLOCK_T = 32  # tiles per program of the tile table
+
+
+@triton.jit
+def _tile_table_kernel(offsets_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, E, num_tiles,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program p: the experts' tile counts and their running sum (every program; the first stores
+    the total), then for its BLOCK_T tiles t each one's expert (how many experts' tiles end at or
+    before t, at most E - 1), first row and the expert's end, as :func:`_tile_table_reference`
+    computes them."""
+    e = tl.arange(0, BLOCK_E)
+    mask_e = e < E
+    start = tl.load(offsets_ptr + e, mask=mask_e, other=0)
+    end = tl.load(offsets_ptr + e + 1, mask=mask_e, other=0)
+    m_tiles = (end - start + BLOCK_M - 1) // BLOCK_M  # 0 past E
+    ends = tl.cumsum(m_tiles, 0)
+    firsts = ends - m_tiles
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(num_m_ptr, tl.sum(m_tiles, 0))
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    te = tl.minimum(tl.sum(((ends[None, :] <= t[:, None]) & mask_e[None, :]).to(tl.int32), 1), E - 1)
+    sel = te[:, None] == e[None, :]  # one expert per tile: its values picked by a sum
+    row = tl.sum(tl.where(sel, start[None, :] - firsts[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
+    mask_t = t < num_tiles
+    tl.store(tile_e_ptr + t, te, mask=mask_t)
+    tl.store(tile_row_ptr + t, row, mask=mask_t)
+    tl.store(tile_end_ptr + t, tl.sum(tl.where(sel, end[None, :], 0), 1), mask=mask_t)
+
+
 def _tile_table(offsets_E1, max_rows):
     """Per 128-row tile (each expert's from its first row, experts in order): its expert, first
     row and the expert's end, over a bound of cdiv(S, BLOCK_M) + E tiles; and the number of tiles,
-    a one-element tensor. Torch ops on the device: no host read."""
+    a one-element tensor. int32, on the device, no host read: one Triton launch, a program per
+    _TABLE_BLOCK_T tiles (on the CPU without the interpreter, :func:`_tile_table_reference`'s torch
+    ops; on a GPU those were ~20 launches per call, measured in docs/performance.md)."""
+    if not use_triton(offsets_E1):
+        return _tile_table_reference(offsets_E1, max_rows)
+    E = offsets_E1.shape[0] - 1
+    num_tiles = cdiv(max_rows, BLOCK_M) + E
+    dev = offsets_E1.device
+    tile_e, tile_row, tile_end = (torch.empty(num_tiles, device=dev, dtype=torch.int32) for _ in range(3))
+    num_m = torch.empty(1, device=dev, dtype=torch.int32)
+    launch(_tile_table_kernel, (cdiv(num_tiles, _TABLE_BLOCK_T),), (offsets_E1, tile_e, tile_row, tile_end, num_m,
+                                                                    E, num_tiles),
+           dict(BLOCK_M=BLOCK_M, BLOCK_E=max(2, next_power_of_2(E)), BLOCK_T=_TABLE_BLOCK_T))
+    return tile_e, tile_row, tile_end, num_m
+
+
+def _tile_table_reference(offsets_E1, max_rows):
+    """:func:`_tile_table` in torch ops (about twenty of them)."""
     E = offsets_E1.shape[0] - 1
     bounds = offsets_E1.long()
     m_tiles = (bounds[1:] - bounds[:-1] + BLOCK_M - 1) // BLOCK_M

@@ -26,17 +26,31 @@ def _offsets(counts, device="cpu"):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("counts", [[0, 100, 0, 200], [256, 0, 0], [1, 127, 128, 129, 0, 383], [0, 0, 0]])
-def test_tile_table_lists_each_experts_128_row_tiles_in_order(counts):
+TABLE_COUNTS = [[0, 100, 0, 200], [256, 0, 0], [1, 127, 128, 129, 0, 383], [0, 0, 0], [5000],
+                [3] * 70 + [0] * 59 + [300]]  # one expert with many tiles; 130 experts (BLOCK_E 256)
+
+
+@pytest.mark.parametrize("table", ["kernel", "reference"])
+@pytest.mark.parametrize("counts", TABLE_COUNTS)
+def test_tile_table_lists_each_experts_128_row_tiles_in_order(counts, table):
     offsets = _offsets(counts)
     S = sum(counts) + 7  # rows past the last expert's end (padding): in no tile
-    tile_e, tile_row, tile_end, num_m = GG._tile_table(offsets, S)
+    fn = GG._tile_table if table == "kernel" else GG._tile_table_reference  # kernel: the interpreter's
+    tile_e, tile_row, tile_end, num_m = fn(offsets, S)
     want = [(e, start + i * 128, start + n) for e, (start, n) in enumerate(zip(offsets[:-1].tolist(), counts))
             for i in range(-(-n // 128))]
     assert num_m.tolist() == [len(want)]
-    assert len(tile_e) >= len(want)  # the bound cdiv(S, 128) + E
+    assert all(t.dtype == torch.int32 for t in (tile_e, tile_row, tile_end, num_m))
+    assert len(tile_e) == -(-S // 128) + len(counts)  # the bound cdiv(S, 128) + E
     got = list(zip(tile_e.tolist(), tile_row.tolist(), tile_end.tolist()))[:len(want)]
     assert got == want
+
+
+@pytest.mark.parametrize("counts", TABLE_COUNTS)
+def test_tile_table_kernel_equals_its_reference_past_the_last_tile_too(counts):
+    offsets, S = _offsets(counts), sum(counts) + 300
+    for got, want in zip(GG._tile_table(offsets, S), GG._tile_table_reference(offsets, S)):
+        assert torch.equal(got, want)
 
 
 # ----------------------------------------------------------------------------------------------
