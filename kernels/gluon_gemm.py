@@ -16,7 +16,7 @@ kernels/switches.py) and the rest to its Triton kernel; its plain-PyTorch
 
 One program per SM walks output tiles (128 sorted rows of one expert, columns fastest); the tiles
 are listed on the device (:func:`_tile_table`: per 128-row tile its expert, first row and the
-expert's end; torch ops, no host read). Two kernels:
+expert's end; one Triton launch, no host read). Two kernels:
   plain (no gather, no activation; 256 columns a tile): a producer warp issues the TMA loads of a
       three-slot ring, a's 128 rows and w's 64 x 256 block per step (a transposed w, the view of a
       contiguous [E, N, K]: a 256 x 64 block of that storage, which the MMAs read transposed from
@@ -62,6 +62,40 @@ from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
+
+# ----------------------------------------------------------------------------------------------
+# The tile table (Triton: it runs under the interpreter too)
+# ----------------------------------------------------------------------------------------------
+
+_TABLE_BLOCK_T = 32  # tiles per program of the tile table
+
+
+@triton.jit
+def _tile_table_kernel(offsets_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, E, num_tiles,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program p: the experts' tile counts and their running sum (every program; the first stores
+    the total), then for its BLOCK_T tiles t each one's expert (how many experts' tiles end at or
+    before t, at most E - 1), first row and the expert's end, as :func:`_tile_table_reference`
+    computes them."""
+    e = tl.arange(0, BLOCK_E)
+    mask_e = e < E
+    start = tl.load(offsets_ptr + e, mask=mask_e, other=0)
+    end = tl.load(offsets_ptr + e + 1, mask=mask_e, other=0)
+    m_tiles = (end - start + BLOCK_M - 1) // BLOCK_M  # 0 past E
+    ends = tl.cumsum(m_tiles, 0)
+    firsts = ends - m_tiles
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(num_m_ptr, tl.sum(m_tiles, 0))
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    te = tl.minimum(tl.sum(((ends[None, :] <= t[:, None]) & mask_e[None, :]).to(tl.int32), 1), E - 1)
+    sel = te[:, None] == e[None, :]  # one expert per tile: its values picked by a sum
+    row = tl.sum(tl.where(sel, start[None, :] - firsts[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
+    mask_t = t < num_tiles
+    tl.store(tile_e_ptr + t, te, mask=mask_t)
+    tl.store(tile_row_ptr + t, row, mask=mask_t)
+    tl.store(tile_end_ptr + t, tl.sum(tl.where(sel, end[None, :], 0), 1), mask=mask_t)
+
 
 if gluon is not None:
     # ------------------------------------------------------------------------------------------
@@ -391,36 +425,6 @@ def _transposed(w_EKN) -> bool:
     """w a transposed view of a contiguous [E, N, K] tensor (the input gradient's w1ᵀ), not also
     contiguous itself (a single row or column is both; the plain layout reads it then)."""
     return w_EKN.transpose(1, 2).is_contiguous() and not w_EKN.is_contiguous()
-
-
-_TABLE_BLOCK_T = 32  # tiles per program of the tile table
-
-
-@triton.jit
-def _tile_table_kernel(offsets_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, E, num_tiles,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Program p: the experts' tile counts and their running sum (every program; the first stores
-    the total), then for its BLOCK_T tiles t each one's expert (how many experts' tiles end at or
-    before t, at most E - 1), first row and the expert's end, as :func:`_tile_table_reference`
-    computes them."""
-    e = tl.arange(0, BLOCK_E)
-    mask_e = e < E
-    start = tl.load(offsets_ptr + e, mask=mask_e, other=0)
-    end = tl.load(offsets_ptr + e + 1, mask=mask_e, other=0)
-    m_tiles = (end - start + BLOCK_M - 1) // BLOCK_M  # 0 past E
-    ends = tl.cumsum(m_tiles, 0)
-    firsts = ends - m_tiles
-    pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(num_m_ptr, tl.sum(m_tiles, 0))
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    te = tl.minimum(tl.sum(((ends[None, :] <= t[:, None]) & mask_e[None, :]).to(tl.int32), 1), E - 1)
-    sel = te[:, None] == e[None, :]  # one expert per tile: its values picked by a sum
-    row = tl.sum(tl.where(sel, start[None, :] - firsts[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
-    mask_t = t < num_tiles
-    tl.store(tile_e_ptr + t, te, mask=mask_t)
-    tl.store(tile_row_ptr + t, row, mask=mask_t)
-    tl.store(tile_end_ptr + t, tl.sum(tl.where(sel, end[None, :], 0), 1), mask=mask_t)
 
 
 def _tile_table(offsets_E1, max_rows):
