@@ -2,7 +2,7 @@
 # One GPU machine, one call: set up, run the GPU tests, the layer benchmark and (optionally)
 # short training runs; logs go to $OUT (or ./device_out). Usage:
 #   bash benchmarks/device_run.sh [tests] [faults] [profile] [bench] [train] [step] [router] [graphs] [norm] [tables] [mlm] [quick]
-# TESTS (test files for 'tests'), TEST_WORKERS (pytest-xdist's -n for 'tests' and 'faults'),
+# TESTS (test files for 'tests'; default: every file with GPU cases), TEST_WORKERS (pytest-xdist's -n for 'tests' and 'faults'),
 # PROFILE_ARGS (profile_layer.py's), BENCH_ARGS (bench_layer.py's), TRAIN_CONFIGS / TRAIN_OVERRIDES
 # ('train'), STEP_RUNS / STEP_GB / STEP_STEPS (train_ab.sh's RUNS, global batch and steps for 'step'),
 # GRAPH_RUNS, TABLE_CONFIGS ('tables'),
@@ -35,10 +35,15 @@ if [[ ${PACK:-1} == 1 ]]; then  # and every 60 s, so a stage cut short at the ca
   packer=$!
   trap 'kill $packer 2>/dev/null' EXIT
 fi
+default_gpu_tests() {  # every test file with GPU cases (a gpu mark, a CUDA check or the device
+  # fixture; test_faults.py is the 'faults' stage), and the launcher's device-selection tests
+  grep -l -E "mark\.gpu|cuda\.is_available|def test_.*\bdevice\b" tests/*/test_*.py | grep -v test_faults.py | sort | tr '\n' ' '
+  echo tests/training/test_distributed.py
+}
 if [[ $stages == *" tests "* ]]; then
   # one fixed tile config per kernel (MEGATRON_MOE_AUTOTUNE=0): correctness, not speed
   MEGATRON_MOE_AUTOTUNE=0 python3 -m pytest -q --timeout=900 -p no:cacheprovider "${xdist[@]}" --durations=10 \
-    ${TESTS:-tests/layer/test_layer.py tests/kernels/test_grouped.py tests/kernels/test_blocksparse.py tests/kernels/test_activation.py tests/kernels/test_metadata.py tests/kernels/test_router.py tests/kernels/test_layer_norm.py tests/megatron/test_model.py tests/training/test_cuda_graphs.py tests/training/test_distributed.py tests/kernels/test_tuning.py} \
+    ${TESTS:-$(default_gpu_tests)} \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   add "gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")"
 fi
