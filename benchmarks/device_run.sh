@@ -36,7 +36,7 @@ if [[ ${PACK:-1} == 1 ]]; then  # and every 60 s, so a stage cut short at the ca
   trap 'kill $packer 2>/dev/null' EXIT
 fi
 default_gpu_tests() {  # every test file with GPU cases (a gpu mark, a CUDA check or the device
-  # fixture; test_faults.py is the 'faults' stage), and the launcher's device-selection tests
+  # fixture; test_faults.py is the 'faults' stage), and the distributed set-up's device selection
   grep -l -E "mark\.gpu|cuda\.is_available|def test_.*\bdevice\b" tests/*/test_*.py | grep -v test_faults.py | sort | tr '\n' ' '
   echo tests/training/test_distributed.py
 }
