@@ -100,11 +100,9 @@ def scenarios():
     yield "triton_grouped fp32 gelu", lambda: _layer_step("triton_grouped", torch.float32)
 
     def gluon_off():  # the Triton kernels where the Gluon ones take the bf16 calls (its W_TMA path: wᵀ)
-        os.environ["MEGATRON_MOE_GLUON_GEMM"] = "0"
-        try:
+        from megatron_moe.kernels.switches import setting
+        with setting("MEGATRON_MOE_GLUON_GEMM", False):
             _layer_step("triton_grouped", bf16, activation="swiglu")
-        finally:
-            del os.environ["MEGATRON_MOE_GLUON_GEMM"]
     yield "triton_grouped bf16 swiglu, Gluon GEMMs off", gluon_off
     yield "triton_grouped bf16 swiglu, sigmoid router, expert bias, renormalised", lambda: _layer_step(
         "triton_grouped", bf16, activation="swiglu", score_function="sigmoid", expert_bias=True,
