@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_moe.kernels._common import expert_tiles
-from megatron_moe.kernels.grouped import _tile_coords, grouped_gemm
+from megatron_moe.kernels.grouped import _expert_tiles, _tile_coords, grouped_gemm
 
 CONFIGS = {  # tokens*top_k rows, K, N, experts
     "paper-moe-m/fwd1": (16384, 1024, 4096, 64),
@@ -38,7 +37,7 @@ def _tma_grouped_kernel(a_ptr, w_ptr, out_ptr, offsets_ptr, S, K, N, E, stride_o
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BLOCK_K, BLOCK_N])
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
-    e_idx, tiles_E, tiles_cum_E = expert_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M)
+    e_idx, tiles_E, tiles_cum_E = _expert_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M)
     num_tiles = tl.sum(tiles_E, axis=0) * num_tiles_n
     if PERSISTENT:
         start, step = pid, tl.num_programs(0)

@@ -83,17 +83,6 @@ def dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def expert_tiles(offsets_ptr, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Lanes 0..BLOCK_E-1 (experts; lanes >= E are empty): (lane index, BLOCK_M-row tiles of the
-    expert, their inclusive cumsum), from the expert offsets (the row-grouped kernels' tile lists)."""
-    e_idx = tl.arange(0, BLOCK_E)
-    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
-    return e_idx, tiles_E, tl.cumsum(tiles_E, axis=0)
-
-
-@triton.jit
 def round_bf16(x):
     """fp32 -> bf16 rounded to nearest even on the bits, NaN kept: torch's .to(bfloat16) on the
     GPU and under the interpreter (whose own conversion truncates)."""

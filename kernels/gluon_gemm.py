@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from . import switches
-from ._common import cdiv, expert_tiles, next_power_of_2, use_triton
+from ._common import cdiv, next_power_of_2, use_triton
 from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
                      maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
                      warpgroup_mma_wait)
@@ -77,17 +77,24 @@ def _tile_table_kernel(offsets_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_
     the total), then for its BLOCK_T tiles t each one's expert (how many experts' tiles end at or
     before t, at most E - 1), first row and the expert's end, as :func:`_tile_table_reference`
     computes them."""
-    e, m_tiles, ends = expert_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M)  # 0 tiles past E
+    e = tl.arange(0, BLOCK_E)
+    mask_e = e < E
+    start = tl.load(offsets_ptr + e, mask=mask_e, other=0)
+    end = tl.load(offsets_ptr + e + 1, mask=mask_e, other=0)
+    m_tiles = (end - start + BLOCK_M - 1) // BLOCK_M  # 0 past E
+    ends = tl.cumsum(m_tiles, 0)
+    firsts = ends - m_tiles
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(num_m_ptr, tl.sum(m_tiles, 0))
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    te = tl.minimum(tl.sum(((ends[None, :] <= t[:, None]) & (e < E)[None, :]).to(tl.int32), 1), E - 1)
-    first = tl.sum(tl.where(te[:, None] == e[None, :], ends[None, :] - m_tiles[None, :], 0), 1)  # te's first tile
+    te = tl.minimum(tl.sum(((ends[None, :] <= t[:, None]) & mask_e[None, :]).to(tl.int32), 1), E - 1)
+    sel = te[:, None] == e[None, :]  # one expert per tile: its values picked by a sum
+    row = tl.sum(tl.where(sel, start[None, :] - firsts[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
     mask_t = t < num_tiles
     tl.store(tile_e_ptr + t, te, mask=mask_t)
-    tl.store(tile_row_ptr + t, tl.load(offsets_ptr + te) + (t - first) * BLOCK_M, mask=mask_t)
-    tl.store(tile_end_ptr + t, tl.load(offsets_ptr + te + 1), mask=mask_t)
+    tl.store(tile_row_ptr + t, row, mask=mask_t)
+    tl.store(tile_end_ptr + t, tl.sum(tl.where(sel, end[None, :], 0), 1), mask=mask_t)
 
 
 if gluon is not None:

@@ -48,8 +48,8 @@ except (ImportError, AttributeError):
     TensorDescriptor, _HAS_TMA_ADD = None, False
 
 from . import gluon_gemm, gluon_wgrad, launcher, switches, tuning
-from ._common import (capability, cdiv, dot, expert_segments, expert_tiles, input_precision, interpret_mode,
-                      next_power_of_2, num_sms, use_triton)
+from ._common import (capability, cdiv, dot, expert_segments, input_precision, interpret_mode, next_power_of_2,
+                      num_sms, use_triton)
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
                          gelu_bwd, pre_width_factor, swiglu_bwd)
 from .metadata import max_row_blocks
@@ -199,6 +199,17 @@ def _rows(index_ptr, offs_s, mask_s, HAS_INDEX: tl.constexpr):
         return tl.load(index_ptr + offs_s, mask=mask_s, other=0).to(tl.int64)
     else:
         return offs_s.to(tl.int64)
+
+
+@triton.jit
+def _expert_tiles(offsets_ptr, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Lanes 0..BLOCK_E-1 (experts; lanes >= E are empty): (lane index, BLOCK_M-row tiles of the
+    expert, their inclusive cumsum), from the expert offsets."""
+    e_idx = tl.arange(0, BLOCK_E)
+    lo_E = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi_E = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles_E = (hi_E - lo_E + BLOCK_M - 1) // BLOCK_M
+    return e_idx, tiles_E, tl.cumsum(tiles_E, axis=0)
 
 
 @triton.jit
@@ -395,7 +406,7 @@ def _grouped_gemm_kernel(
 ):
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
-    e_idx, tiles_E, tiles_cum_E = expert_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M)
+    e_idx, tiles_E, tiles_cum_E = _expert_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M)
     if PERSISTENT:
         # every program walks the tiles pid, pid + grid, ...; flatten=True lets the software
         # pipeline load the next tile's operands while this tile's epilogue runs
