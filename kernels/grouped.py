@@ -591,7 +591,7 @@ def clear_tuning_cache() -> None:
     _grouped_wgrad_kernel.cache.clear()
 
 
-# (kernel, tune key, the arguments' specialisation, meta) -> (its config, the launch's keywords)
+# (kernel, tune key, the arguments' specialisation, meta) -> (its config, the launch's keywords, the launcher's key)
 _HOT: dict = {}
 
 
@@ -609,11 +609,14 @@ def _launch(kernel, grid, args, meta, tune_key, hook_args):
         cfg = _config(kernel, grid, args, meta, tune_key)
         if cfg is None:  # the autotuner chose and launched
             return
-        hot = _HOT[hot_key] = (cfg, {**meta, **cfg.all_kwargs()})
-    cfg, kwargs = hot
+        kwargs = {**meta, **cfg.all_kwargs()}
+        # the launcher's key names the config too: after clear_tuning_cache the same arguments may
+        # get another config (a test's or a sweep's), whose kernel is another compiled kernel
+        hot = _HOT[hot_key] = (cfg, kwargs, (hot_key, tuple(cfg.all_kwargs().items())))
+    cfg, kwargs, launch_key = hot
     if cfg.pre_hook is not None:  # as the autotuner does before each launch
         cfg.pre_hook({**hook_args, **kwargs})
-    launcher.launch(kernel.fn, grid, args, kwargs, key=hot_key)
+    launcher.launch(kernel.fn, grid, args, kwargs, key=launch_key)
 
 
 def _config(kernel, grid, args, meta, tune_key):

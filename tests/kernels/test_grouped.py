@@ -424,6 +424,31 @@ def test_wgrad_configs_prune_to_what_the_call_can_run(monkeypatch):
     assert all(c.kwargs["TMA_ADD"] in (False, True) for c in G._wgrad_configs())
 
 
+def test_a_config_chosen_after_clearing_launches_its_own_kernel(monkeypatch):
+    """The same arguments launched again after clear_tuning_cache under another config (a test's
+    or a tile sweep's) reach the launcher under another key: the launcher keeps one compiled
+    kernel per key, and the first config's kernel on the second config's grid computed only the
+    grid's tiles (wrong input gradients in a GPU test, 2026-12-03). The CPU stands in for the GPU:
+    the launcher and the config choice are recorded, not run."""
+    seen, base = [], G._grouped_gemm_kernel.configs[0]
+    configs = iter([triton.Config(dict(base.kwargs, PERSISTENT=p), num_warps=base.num_warps,
+                                  num_stages=base.num_stages) for p in (0, 1)])
+    monkeypatch.setattr(G, "interpret_mode", lambda: False)
+    monkeypatch.setattr(G, "_config", lambda *a: next(configs))
+    monkeypatch.setattr(G.launcher, "launch",
+                        lambda fn, grid, args, kwargs, key=None: seen.append((kwargs["PERSISTENT"], key)))
+    args = (torch.zeros(4, 8), torch.zeros(2, 8, 8), torch.zeros(3, dtype=torch.int32))
+    try:
+        for _ in range(2):
+            G.clear_tuning_cache()
+            for _ in range(2):  # the second launch of a key: the hot path
+                G._launch(G._grouped_gemm_kernel, (1,), args, {"EPILOGUE": "none"}, (8, 8), {})
+    finally:
+        G.clear_tuning_cache()
+    assert [p for p, _ in seen] == [0, 0, 1, 1]
+    assert seen[0][1] == seen[1][1] and seen[2][1] == seen[3][1] and seen[0][1] != seen[2][1]
+
+
 @pytest.mark.gpu
 def test_grouped_wgrad_tma_add_equals_load_add_store(monkeypatch):
     """The accumulating weight gradient through TMA's reduce-add and through the kernel's own
