@@ -105,7 +105,7 @@ def _on_gpu_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("gather", ["a", "b", "both"])
+@pytest.mark.parametrize("gather", ["a", "b", "both", "none"])
 def test_gluon_wgrad_matches_float64_reference(case, gather):
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
@@ -118,8 +118,8 @@ def test_gluon_wgrad_matches_float64_reference(case, gather):
         rows_a = torch.randperm(S + 5, generator=gen)[:S].to(torch.int32).cuda()  # into a's S + 5 rows
         rows_b = torch.randperm(S, generator=gen).to(torch.int32).cuda()
     kw = dict(a=dict(gather_a_S=rows_a), b=dict(gather_b_S=rows_b),
-              both=dict(gather_a_S=rows_a, gather_b_S=rows_b))[gather]
-    if gather == "b":
+              both=dict(gather_a_S=rows_a, gather_b_S=rows_b), none={})[gather]
+    if gather in ("b", "none"):
         a = a[:S]  # without its gather a has exactly the S sorted rows
     assert GW.supported(a, b, offsets, **kw), "the Gluon kernel must take this call"
     got = G.grouped_wgrad(a, b, offsets, **kw)
@@ -134,6 +134,34 @@ def test_gluon_wgrad_matches_float64_reference(case, gather):
     for e, n in enumerate(counts):
         if n == 0:
             assert (got[e] == 0).all(), f"expert {e} has no rows: its gradient must be exact zeros"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather", ["a", "b", "none"])
+def test_gluon_wgrad_keeps_each_experts_rows_apart(gather):
+    """An expert's last, partial row block is zero-filled past the expert's end (in both operands:
+    zeros in one alone would still turn an infinity into NaN): an infinity in expert 1's rows (its
+    first row lies inside expert 0's last 64-row block) reaches expert 1's gradient only."""
+    if not _on_gpu_sm90():
+        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    counts = [100, 64, 30]
+    S, K, N = sum(counts), 128, 256
+    gen = torch.Generator().manual_seed(3)
+    a, b, offsets = _operands(S, K, N, counts, "cuda", gen)
+    a = a[:S]
+    rows = torch.randperm(S, generator=gen).to(torch.int32).cuda()
+    kw = dict(a=dict(gather_a_S=rows), b=dict(gather_b_S=rows), none={})[gather]
+    for t, sorted_side in ((a, gather != "a"), (b, gather != "b")):
+        if sorted_side:
+            t[100:164] = float("inf")  # expert 1's rows
+    assert GW.supported(a, b, offsets, **kw), "the Gluon kernel must take this call"
+    got = G.grouped_wgrad(a, b, offsets, **kw).double()
+    want = G.grouped_wgrad_reference(a, b, offsets, out_dtype=torch.float64, **kw)
+    assert not torch.isfinite(want[1]).all() and not torch.isfinite(got[1]).all()
+    for e in (0, 2):
+        assert torch.isfinite(got[e]).all(), f"expert {e}'s gradient took expert 1's rows"
+        err = (got[e] - want[e]).abs()
+        assert (err <= want[e].abs() * 2.0 ** -8 + 1e-4 * want[e].abs().max()).all(), f"expert {e}"
 
 
 # ----------------------------------------------------------------------------------------------
