@@ -1,6 +1,6 @@
 """The floors under the expert GEMMs on one GPU, from rates measured on it: tensor-core FLOPs (a
 large dense bf16 matmul), bytes out of L2 into the SMs (a read kernel over an L2-resident buffer),
-and HBM bytes (a 2 GB device copy); then, for bench_gluon.py's shapes, each floor in ms beside
+and HBM bytes (bench_adamw.py's 2 GB device copy); then, for bench_gluon.py's shapes, each floor in ms beside
 the times bench_gluon measured.
 
     python benchmarks/bench_gluon.py --out gluon.json
@@ -35,6 +35,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_adamw import COPY_BYTES, copy_ms  # noqa: E402
 from bench_gluon import GEMM_SHAPES, WGRAD_SHAPES  # noqa: E402
 
 WORKING_SETS_MB = (4, 8, 16, 24, 32, 48, 1024)
@@ -78,10 +79,8 @@ def matmul_tflops() -> float:
 
 
 def copy_tbs() -> float:
-    src = torch.empty(2 ** 29, dtype=torch.float32, device="cuda")  # 2 GB
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
-    return 2 * src.numel() * 4 / ms / 1e9  # read + write
+    """bench_adamw's 2 GB device copy: TB/s of its reads and writes."""
+    return 2 * COPY_BYTES / copy_ms(50) / 1e9
 
 
 def traffic(kind: str, S: int, E: int, K: int, N: int, T: int = 0, act=None) -> dict:

@@ -609,10 +609,10 @@ def _launch(kernel, grid, args, meta, tune_key, hook_args):
         cfg = _config(kernel, grid, args, meta, tune_key)
         if cfg is None:  # the autotuner chose and launched
             return
-        kwargs = {**meta, **cfg.all_kwargs()}
+        cfg_kwargs = cfg.all_kwargs()
         # the launcher's key names the config too: after clear_tuning_cache the same arguments may
         # get another config (a test's or a sweep's), whose kernel is another compiled kernel
-        hot = _HOT[hot_key] = (cfg, kwargs, (hot_key, tuple(cfg.all_kwargs().items())))
+        hot = _HOT[hot_key] = (cfg, {**meta, **cfg_kwargs}, (hot_key, tuple(cfg_kwargs.items())))
     cfg, kwargs, launch_key = hot
     if cfg.pre_hook is not None:  # as the autotuner does before each launch
         cfg.pre_hook({**hook_args, **kwargs})
