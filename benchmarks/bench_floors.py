@@ -1,7 +1,7 @@
 """The floors under the expert GEMMs on one GPU, from rates measured on it: tensor-core FLOPs (a
 large dense bf16 matmul), bytes out of L2 into the SMs (a read kernel over an L2-resident buffer),
-and HBM bytes (bench_adamw.py's 2 GB device copy); then, for bench_gluon.py's shapes, each floor in ms beside
-the times bench_gluon measured.
+and HBM bytes (bench_adamw.py's 2 GB device copy); then, for bench_gluon.py's shapes, each floor
+in ms beside the times bench_gluon measured.
 
     python benchmarks/bench_gluon.py --out gluon.json
     python benchmarks/bench_floors.py --gluon gluon.json --out floors.json
@@ -38,11 +38,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_adamw import COPY_BYTES, copy_ms  # noqa: E402
 from bench_gluon import GEMM_SHAPES, WGRAD_SHAPES  # noqa: E402
 
+from megatron_moe.kernels import gluon_gemm, gluon_wgrad  # noqa: E402
+
 WORKING_SETS_MB = (4, 8, 16, 24, 32, 48, 1024)
 READ_BYTES = 2 ** 33  # 8 GB read per measurement
 BLOCK = 16384  # bf16 elements per block: 32 KB
 MATMUL = 8192  # the dense matmul's M = N = K
-TILE_ROWS, TILE_COLS = 128, 256  # the Gluon kernels' output tiles (wgrad: a's columns x b's)
+# the Gluon kernels' output tiles (wgrad: a's columns x b's; the SwiGLU GEMM: two halves of columns)
+TILE_ROWS, TILE_COLS = gluon_wgrad.BLOCK_K, gluon_wgrad.BLOCK_N
+assert (gluon_gemm.BLOCK_M, gluon_gemm.BLOCK_N, 2 * gluon_gemm.HALF_N) == (TILE_ROWS, TILE_COLS, TILE_COLS), \
+    "the floors assume one tile shape for all the Gluon kernels"
 
 
 @triton.jit
