@@ -15,18 +15,23 @@ columns, 256 of b's). Two partitions share a ring of three shared-memory slots, 
 64 sorted rows of both operands:
   producer (4 warps): per block, wait for a free slot, ``cp.async`` the block's rows (gathered:
       Hopper's TMA cannot gather rows) with the rows past the expert's end zero-filled, and arrive
-      on the slot's ready barrier when the copies land. It loads the next block's gather indices
-      and the next tile's row range a step ahead, so no step waits on its own index loads.
+      on the slot's ready barrier when the copies land. One 64-bit address per row, the columns
+      constant offsets from it; the tile's columns and step count worked out once per tile. It
+      loads the next block's gather indices and the next tile's row range a step ahead.
   consumer (8 warps, two warpgroups of 64 tile rows): per block, wait for the slot, one
       asynchronous ``warpgroup_mma`` (one in flight), free the slot of the block before; per tile,
       the sum into a shared-memory tile and out by a TMA store that runs on during the next
-      tile's MMAs (waited for only before the buffer is written again).
+      tile's MMAs (waited for only before the buffer is written again). A tile's steps run in a
+      loop of their own: with the epilogue behind a branch in the same loop, ptxas waited for
+      every MMA before the next (its note C7517; tests/kernels/test_compile_hopper.py checks for
+      such notes).
 An expert without rows runs one all-masked block: its tiles get exact zeros.
 
-Measured on an H200 (docs/performance.md, "A Gluon weight gradient"): 1.17-1.32x the Triton
-kernel (qwen3-30b-a3b's dw1 1.22x). Takes bf16 a, b with unit column stride and 16-byte aligned
-rows, K a multiple of 128 (a tile never spans two experts in the [E * K, N] view the store
-describes), N and the row strides multiples of 16. Written against Triton 3.6's Gluon; the names
+Measured on an H200 (docs/performance.md, "A Gluon weight gradient" and "The weight gradient's
+MMAs drained at every step"): 1.17-1.32x the Triton kernel as first written, and since 2026-12-03
+1.04-1.14x that. Takes bf16 a, b with unit column stride and 16-byte aligned rows, K a multiple
+of 128 (a tile never spans two experts in the [E * K, N] view the store describes), N and the
+row strides multiples of 16. Written against Triton 3.6's Gluon; the names
 Triton 3.9 renamed are looked up either way (kernels/_gluon.py). Gluon does not run under the
 interpreter: on the CPU the kernel is only compiled (tests/kernels/_compile_sm90.py);
 tests/kernels/test_gluon_wgrad.py runs it on a GPU.
@@ -99,25 +104,33 @@ if gluon is not None:
         return rows_a, rows_b, mask
 
     @gluon.jit
-    def _copy_rows(buf, ptr, rows, mask_s, stride_m, col0, cols_total, BLOCK_C: gl.constexpr,
+    def _copy_rows(buf, ptr, rows, mask_s, stride_m, col0, cols_total, BLOCK_C: gl.constexpr, EVEN: gl.constexpr,
                    layout: gl.constexpr):
         """cp.async of ``rows`` (those in mask_s; the rest zero-filled), columns col0 .. col0 +
-        BLOCK_C, into ``buf``."""
-        cols = col0 + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
-        ptrs = ptr + rows.to(gl.int64)[:, None] * stride_m + cols[None, :]
-        async_load(buf, ptrs, mask_s[:, None] & (cols < cols_total)[None, :])
+        BLOCK_C, into ``buf``. One 64-bit address per row, the columns constant offsets from it;
+        the columns are checked against cols_total only where the tile may pass it (not EVEN)."""
+        row_ptrs = ptr + col0 + rows.to(gl.int64) * stride_m
+        cols = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
+        ptrs = row_ptrs[:, None] + cols[None, :]
+        if EVEN:
+            async_load(buf, ptrs, mask_s[:, None])
+        else:
+            async_load(buf, ptrs, mask_s[:, None] & (col0 + cols < cols_total)[None, :])
 
     @gluon.jit
     def _producer(a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
                   E, K, N, stride_am, stride_bm,
-                  HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, BLOCK_K: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
+                  HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
                   PRODUCER_WARPS: gl.constexpr):
-        """Every row block of this program's tiles into the ring."""
+        """Every row block of this program's tiles into the ring. What changes per tile (its
+        columns, its step count) is worked out once per tile, not per step."""
         # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
         load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
         pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, p_start, p_end, nx_start, nx_end = _schedule(
             E, K, N, offsets_ptr, BLOCK_K, BLOCK_N)
+        _, pk, pn = _tile_kn(pid, tiles_e, tiles_n)
+        p_steps = _steps(p_start, p_end, BLOCK_S)
         rows_a, rows_b, mask = _block_rows(p_start, p_end, gather_a_ptr, gather_b_ptr, HAS_GATHER_A,
                                            HAS_GATHER_B, BLOCK_S, load_layout)
         p_i = 0
@@ -126,17 +139,20 @@ if gluon is not None:
         while p_i < my_tiles:
             slot = count % NUM_BUF
             mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
-            _, pk, pn = _tile_kn(pid + p_i * nprog, tiles_e, tiles_n)
-            _copy_rows(a_bufs.index(slot), a_ptr, rows_a, mask, stride_am, pk * BLOCK_K, K, BLOCK_K, load_layout)
-            _copy_rows(b_bufs.index(slot), b_ptr, rows_b, mask, stride_bm, pn * BLOCK_N, N, BLOCK_N, load_layout)
+            _copy_rows(a_bufs.index(slot), a_ptr, rows_a, mask, stride_am, pk * BLOCK_K, K, BLOCK_K, True,
+                       load_layout)  # K % BLOCK_K == 0
+            _copy_rows(b_bufs.index(slot), b_ptr, rows_b, mask, stride_bm, pn * BLOCK_N, N, BLOCK_N, EVEN_N,
+                       load_layout)
             async_copy.mbarrier_arrive(ready_bars.index(slot), increment_count=False)  # when they land
             count += 1
             p_s += 1
-            if p_s == _steps(p_start, p_end, BLOCK_S):
+            if p_s == p_steps:
                 p_s = 0
                 p_i += 1
                 p_start = nx_start
                 p_end = nx_end
+                p_steps = _steps(p_start, p_end, BLOCK_S)
+                _, pk, pn = _tile_kn(pid + p_i * nprog, tiles_e, tiles_n)
                 e_after, _, _ = _tile_kn(gl.minimum(pid + (p_i + 1) * nprog, last_tile), tiles_e, tiles_n)
                 nx_start, nx_end = _segment(e_after, offsets_ptr)
             rows_a, rows_b, mask = _block_rows(p_start + p_s * BLOCK_S, p_end, gather_a_ptr, gather_b_ptr,
@@ -151,43 +167,44 @@ if gluon is not None:
                                                              instr_shape=[16, BLOCK_N, 16])
         pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, seg_start, seg_end, nx_start, nx_end = _schedule(
             E, K, N, offsets_ptr, BLOCK_K, BLOCK_N)
-        c_steps = _steps(seg_start, seg_end, BLOCK_S)
         acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
         count = 0
         c_i = 0
-        c_s = 0
+        # a while loop: Triton 3.6's Gluon did not carry seg_start / seg_end (reassigned in the body)
+        # through a for loop here, and every tile ran the first tile's step count
         while c_i < my_tiles:
-            slot = count % NUM_BUF
-            mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
-            fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
-            a_t = a_bufs.index(slot).permute((1, 0))  # [BLOCK_K, BLOCK_S]
-            acc = warpgroup_mma(a_t, b_bufs.index(slot), acc, use_acc=c_s > 0, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=[acc])  # the block before is multiplied: its slot is free
-            barrier()  # both warpgroups', before the one arrival
-            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=c_s > 0)
-            count += 1
-            c_s += 1
-            if c_s == c_steps:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                barrier()
-                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-                e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
-                tma.store_wait(0)  # the last tile's store has read the buffer
-                out_smem.store(acc.to(out_desc.dtype))
-                fence_async_shared()
-                tma_store(out_desc, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
-                c_s = 0
-                c_i += 1
-                c_steps = _steps(nx_start, nx_end, BLOCK_S)
-                e_after, _, _ = _tile_kn(gl.minimum(pid + (c_i + 1) * nprog, last_tile), tiles_e, tiles_n)
-                nx_start, nx_end = _segment(e_after, offsets_ptr)
+            # the steps in a loop of their own: with the tile's epilogue behind a branch in the same
+            # loop, ptxas drained the MMAs at every step (its C7517 note: a wait injected at the loop's end)
+            for c_s in range(_steps(seg_start, seg_end, BLOCK_S)):
+                slot = count % NUM_BUF
+                mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
+                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+                a_t = a_bufs.index(slot).permute((1, 0))  # [BLOCK_K, BLOCK_S]
+                acc = warpgroup_mma(a_t, b_bufs.index(slot), acc, use_acc=c_s > 0, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])  # the block before is multiplied: its slot is free
+                barrier()  # both warpgroups', before the one arrival
+                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=c_s > 0)
+                count += 1
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            barrier()
+            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
+            e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
+            tma.store_wait(0)  # the last tile's store has read the buffer
+            out_smem.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            tma_store(out_desc, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
+            c_i += 1
+            seg_start = nx_start
+            seg_end = nx_end
+            e_after, _, _ = _tile_kn(gl.minimum(pid + (c_i + 1) * nprog, last_tile), tiles_e, tiles_n)
+            nx_start, nx_end = _segment(e_after, offsets_ptr)
         tma.store_wait(0)
 
     @gluon.jit
     def _grouped_wgrad_gluon_kernel(
         a_ptr, b_ptr, out_desc, gather_a_ptr, gather_b_ptr, offsets_ptr,
         E, K, N, stride_am, stride_bm,
-        HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr,
+        HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr,
         BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
         NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -205,7 +222,7 @@ if gluon is not None:
             (_consumer, (out_desc, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
                          BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
             (_producer, (a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars,
-                         empty_bars, E, K, N, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, BLOCK_K,
+                         empty_bars, E, K, N, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, EVEN_N, BLOCK_K,
                          BLOCK_N, BLOCK_S, NUM_BUF, PRODUCER_WARPS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
@@ -250,7 +267,8 @@ def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=N
     launch(_grouped_wgrad_gluon_kernel, (min(tiles, num_sms(a_MK.device)),),
            (a_MK, b_MN, out_desc, gather_a_S if gather_a_S is not None else offsets_E1,
             gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1, E, K, N, a_MK.stride(0), b_MN.stride(0)),
-           dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, BLOCK_K=BLOCK_K,
+           dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, EVEN_N=N % BLOCK_N == 0,
+                BLOCK_K=BLOCK_K,
                 BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=PRODUCER_WARPS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS)))
     return out

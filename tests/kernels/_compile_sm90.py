@@ -31,6 +31,9 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+PTX: dict[str, list[str]] = collections.defaultdict(list)  # kernel -> its distinct PTX (up to 8 variants)
+# ptxas's notes that it serialised a kernel's tensor-core MMAs (a wait on every wgmma it issues)
+WGMMA_NOTES = ("C7509", "C7510", "C7515", "C7517")
 
 
 def compile_only() -> collections.Counter:
@@ -44,6 +47,9 @@ def compile_only() -> collections.Counter:
     def compile_launch(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled[self.fn.__name__] += 1
+        ptx = kernel.asm.get("ptx")
+        if ptx and len(PTX[self.fn.__name__]) < 8 and ptx not in PTX[self.fn.__name__]:
+            PTX[self.fn.__name__].append(ptx)
         for flag in ("W_TMA", "TMA_ADD", "DGELU"):  # the tensor-memory-unit variants and the GELU's pass, apart
             if kwargs.get(flag):
                 compiled[f"{self.fn.__name__} {flag}"] += 1
@@ -219,6 +225,35 @@ def scenarios():
     yield "linear's bias gradient, alone and after a GELU", bias_grad
 
 
+def wgmma_notes() -> dict[str, set[str]] | None:
+    """ptxas (Triton's own) run again with -v over every kernel's PTX: the notes in WGMMA_NOTES
+    per kernel. A loop whose accumulator a branch reads (a tile's epilogue in the loop of its
+    steps) made ptxas wait for every MMA before the next (kernels/gluon_wgrad.py, 2026-12-03); the
+    kernel was right and slower, so only this note showed it. None without a ptxas."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    try:  # the ptxas Triton itself runs for sm_90 (Triton 3.9's PTX needs its CUDA 13 one)
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = Path(get_ptxas(90).path)
+    except Exception:  # noqa: BLE001  (a Triton without it: not checked)
+        return None
+    if not ptxas.exists():
+        return None
+    notes: dict[str, set[str]] = collections.defaultdict(set)
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel, ptxs in sorted(PTX.items()):
+            for i, ptx in enumerate(ptxs):
+                src = Path(tmp) / f"{kernel}_{i}.ptx"
+                src.write_text(ptx)
+                err = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", str(src), "-o", str(src) + ".o"],
+                                     capture_output=True, text=True).stderr
+                notes[kernel] |= {line.split(": ", 1)[-1].split(" in function")[0] for line in err.splitlines()
+                                  if any(code in line for code in WGMMA_NOTES)}
+    return {k: v for k, v in notes.items() if v}
+
+
 def main() -> int:
     compiled = compile_only()
     failed = 0
@@ -231,6 +266,12 @@ def main() -> int:
             print(f"FAILED  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     for kernel, n in sorted(compiled.items()):
         print(f"compiled {kernel} x{n}")
+    notes = wgmma_notes()
+    for kernel, found in sorted((notes or {}).items()):
+        for note in sorted(found):
+            print(f"wgmma-serialised {kernel}: {note}")
+    if notes is None:
+        print("wgmma notes not checked: Triton names no ptxas")
     return 1 if failed else 0
 
 
