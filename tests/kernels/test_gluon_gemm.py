@@ -200,12 +200,17 @@ def _close(got, want, what):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", ["one per SM", "three"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_gemm_matches_float64_reference(case, variant, monkeypatch):
+def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypatch):
+    """With three programs each walks several tiles of experts with different row counts (at
+    one per SM these shapes give every program one tile at most)."""
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    if programs == "three":
+        monkeypatch.setattr(GG, "num_sms", lambda device: 3)
     K, N, counts = CASES[case]
     gather, activation, act_scale, transposed = VARIANTS[variant]
     gen = torch.Generator().manual_seed(2)
