@@ -31,10 +31,10 @@ Measured on an H200 (docs/performance.md, "A Gluon weight gradient" and "The wei
 MMAs drained at every step"): 1.17-1.32x the Triton kernel as first written, and since 2026-12-03
 1.04-1.14x that. Takes bf16 a, b with unit column stride and 16-byte aligned rows, K a multiple
 of 128 (a tile never spans two experts in the [E * K, N] view the store describes), N and the
-row strides multiples of 16. Written against Triton 3.6's Gluon; the names
-Triton 3.9 renamed are looked up either way (kernels/_gluon.py). Gluon does not run under the
-interpreter: on the CPU the kernel is only compiled (tests/kernels/_compile_sm90.py);
-tests/kernels/test_gluon_wgrad.py runs it on a GPU.
+row strides multiples of 16. Written against Triton 3.6's Gluon; the names Triton 3.9 renamed
+are looked up either way (kernels/_gluon.py). Gluon does not run under the interpreter: on the
+CPU the kernel is only compiled (tests/kernels/_compile_sm90.py); tests/kernels/test_gluon_wgrad.py
+runs it on a GPU.
 """
 from __future__ import annotations
 
