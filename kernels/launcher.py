@@ -26,7 +26,9 @@ once, from its source: Triton 3.6 and 3.9 are).
 """
 from __future__ import annotations
 
+import ctypes
 import inspect
+import threading
 
 import torch
 import triton
@@ -41,6 +43,7 @@ MAX_ENTRIES = 4096  # keys kept, all kernels together; past it, new keys launch 
 _entries: dict = {}
 _stats = {"fast": 0, "triton": 0}
 _mirrors_triton: bool | None = None
+_thread = threading.local()  # .context: this thread has a current CUDA context (or needs none)
 
 
 class _Unkeyed(Exception):
@@ -123,12 +126,34 @@ def enabled() -> bool:
     return switches.fast_launch() and _triton_mirrored()
 
 
+def _bind_context() -> None:
+    """Make the current device's primary CUDA context current in this thread (once per thread).
+    Triton 3.6 fills a host tensor descriptor's TMA map (``cuTensorMapEncodeTiled``) before its
+    launcher binds a context, so a thread's first CUDA call being such a launch failed with
+    "invalid device context": autograd's backward thread on device 0, whose ``set_device`` skips the
+    runtime call that would bind it (seen on an H200, 2026-12-03). Triton 3.9 binds it there itself."""
+    _thread.context = True
+    if not torch.cuda.is_available() or not hasattr(driver.active, "utils"):  # the CPU, a compile-only stand-in
+        return
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+        if cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()) == 0 \
+                and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0:
+            cuda.cuCtxSetCurrent(ctx)
+
+
 def launch(fn, grid, args: tuple, kwargs: dict, key=None):
     """``fn[grid](*args, **kwargs)`` for a ``triton.jit`` (or Gluon) function ``fn`` (an autotuner,
     or a kernel under the interpreter, is launched as it is); ``grid`` a tuple or a function of the
     keyword arguments. ``key``: a hashable that, with the device, determines the specialisation
     of ``args`` and every value of ``kwargs`` (the caller's own key, saving :func:`arg_key`'s
     work); None: the key is built here."""
+    if not getattr(_thread, "context", False):
+        _bind_context()
     if not (enabled() and isinstance(fn, JITFunction)):
         _stats["triton"] += 1
         return fn[grid](*args, **kwargs)

@@ -12,6 +12,7 @@ stand-in for the JIT function's compile and the compiled kernel's launcher.
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 
 import pytest
@@ -237,6 +238,44 @@ def test_gpu_layer_step_identical_with_and_without_fast_launches(monkeypatch, ac
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_a_threads_first_cuda_call_may_be_a_launch_with_a_tensor_descriptor():
+    """Autograd runs the backward in a thread of its own, where on device 0 torch binds no CUDA
+    context; Triton 3.6 fills a host tensor descriptor before its launcher binds one, so such a
+    launch as the thread's first CUDA call failed ("invalid device context", the GPU suite of
+    2026-12-03). A fresh thread whose first call is the Gluon weight gradient computes what the
+    main thread's call did."""
+    from megatron_moe.kernels import gluon_wgrad as GW
+    from megatron_moe.kernels import grouped as G
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GW.available()):
+        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    gen = torch.Generator().manual_seed(0)
+    counts = [100, 0, 156]
+    offsets = torch.tensor([0] + counts).cumsum(0).to(torch.int32).cuda()
+    a = torch.randn(256, 128, generator=gen).to(torch.bfloat16).cuda()
+    b = torch.randn(256, 256, generator=gen).to(torch.bfloat16).cuda()
+    rows = torch.randperm(256, generator=gen).to(torch.int32).cuda()
+    assert GW.supported(a, b, offsets, gather_b_S=rows)
+    want = G.grouped_wgrad(a, b, offsets, gather_b_S=rows)  # compiled here
+    G.grouped_wgrad(a, b, offsets, gather_b_S=rows)  # its output's memory back in the cache: no cudaMalloc
+    torch.cuda.synchronize()
+    got, errors = [], []
+
+    def run():
+        try:
+            got.append(G.grouped_wgrad(a, b, offsets, gather_b_S=rows))  # no CUDA call before it here
+            torch.cuda.synchronize()
+        except BaseException as e:  # noqa: BLE001 (reported in the main thread)
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, f"{type(errors[0]).__name__}: {errors[0]}"
+    assert torch.equal(got[0], want)
 
 
 @pytest.mark.parametrize("before", [None, "0", "1"])
