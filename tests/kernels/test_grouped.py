@@ -531,6 +531,21 @@ def test_every_tile_config_computes_the_reference(monkeypatch):
         G.clear_tuning_cache()
 
 
+def test_the_backward_epilogues_do_not_time_a_prefetch_in_a_persistent_loop():
+    """PREFETCH + PERSISTENT spills kilobytes a thread (ptxas, sm_90): pruned for every epilogue,
+    while each backward epilogue keeps its other PREFETCH and PERSISTENT tiles and the candidate
+    list (the tuning tables' key) stays as it is."""
+    configs = [G._gemm_config(*c) for c in [(128, 128, 64, 8, 3, 1, 1), (128, 128, 64, 8, 3, 0, 1),
+                                               (128, 128, 64, 8, 3, 1, 0), (64, 64, 64, 4, 4, 0, 0)]]
+    for epilogue in ("dgelu", "dswiglu"):
+        kept = [(c.kwargs["PREFETCH"], c.kwargs["PERSISTENT"]) for c in G._prune_gemm_configs(configs, {},
+                                                                                              EPILOGUE=epilogue)]
+        assert kept == [(0, 1), (1, 0), (0, 0)], epilogue
+    kept = [(c.kwargs["PREFETCH"], c.kwargs["PERSISTENT"]) for c in G._prune_gemm_configs(configs, {}, EPILOGUE="none")]
+    assert kept == [(0, 1), (0, 0)]
+    assert any(c.kwargs["PREFETCH"] and c.kwargs["PERSISTENT"] for c in G._gemm_configs()) or interpret_mode()
+
+
 @pytest.mark.gpu
 def test_grouped_mlp_gpu_fp32_tight():
     check_op(200, 96, 80, 8, 2, "random", "swiglu", torch.float32, torch.device("cuda"))
