@@ -110,6 +110,18 @@ def test_a_later_process_launches_the_stored_config_without_tuning(env, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_the_report_counts_the_candidates_the_prune_left(env, capsys):
+    """Triton's autotuner times what its prune keeps (``configs_timings``): the report says how
+    many of the candidates that was."""
+    k = FakeAutotuner(configs(4), FakeJIT())
+    k.configs_timings = {c: [1.0] for c in k.configs[:3]}
+    launch(k)
+    assert "(3 of 4 candidates timed)" in capsys.readouterr().err
+    k = FakeAutotuner(configs(4), FakeJIT())  # an autotuner without the attribute: the list's length
+    launch(k, tune_key=(64, 256))
+    assert "(4 candidates timed)" in capsys.readouterr().err
+
+
 def test_every_launch_key_is_stored_and_only_tunings_reported(env, capsys):
     k = FakeAutotuner(configs(), FakeJIT())  # its own key: the meta-parameters alone
     launch(k, tune_key=(64, 128))
