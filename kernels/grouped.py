@@ -114,19 +114,9 @@ def _gemm_config(block_m, block_n, block_k, warps, stages, prefetch, persistent,
 
 
 def _size_w_desc(nargs) -> None:
-    """Config pre-hook: the weight's tensor descriptor (W_TMA) moves one [1, BLOCK_N, BLOCK_K] box
-    (half the columns where the tile is split: _split_tile)."""
+    """Config pre-hook: the weight's tensor descriptor (W_TMA) moves one [1, BLOCK_N, BLOCK_K] box."""
     if nargs.get("W_TMA"):
-        split = _split_tile(nargs["EPILOGUE"], nargs["PREFETCH"], nargs["BLOCK_N"], nargs["SLOT"])
-        nargs["w_ptr"].block_shape = [1, nargs["BLOCK_N"] // (2 if split else 1), nargs["BLOCK_K"]]
-
-
-def _split_tile(epilogue, prefetch, block_n, slot) -> bool:
-    """dswiglu's tiles of 128+ columns run as two accumulators of half the columns each, and the
-    epilogue takes one half after the other: the whole tile's fp32 gradient, gate and up spilled
-    registers (ptxas, sm_90: 196-272 bytes a thread). Not with PREFETCH, whose pre-activation
-    tile is live through the main loop."""
-    return epilogue == "dswiglu" and not prefetch and block_n // 2 >= slot
+        nargs["w_ptr"].block_shape = [1, nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
 def _prune_gemm_configs(configs, named_args, **kwargs):
@@ -318,59 +308,6 @@ def _backward_epilogue(
 
 
 @triton.jit
-def _dswiglu_tile_halves(
-    expert, row0, seg_end, pid_n,
-    a_ptr, w_ptr, out_ptr, pre_ptr, dscale_ptr, scale_ptr, gather_ptr, scatter_ptr,
-    K, N, num_slots,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_prem,
-    EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    SLOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, W_TMA: tl.constexpr,
-):
-    """_gemm_tile for dswiglu (_split_tile): the [BLOCK_M, BLOCK_N] tile as two accumulators of
-    HALF columns over the same rows of a, then the backward epilogue of one half after the
-    other, each into its own row-sum slots."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    offs_s = row0 + tl.arange(0, BLOCK_M)
-    mask_s = offs_s < seg_end
-    rows_a = _rows(gather_ptr, offs_s, mask_s, HAS_GATHER)
-    rows_o = _rows(scatter_ptr, offs_s, mask_s, HAS_SCATTER)
-    offs_n0 = pid_n * BLOCK_N + tl.arange(0, HALF)
-    offs_n1 = offs_n0 + HALF
-    mask_n0 = offs_n0 < N
-    mask_n1 = offs_n1 < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
-    if not W_TMA:
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n0[None, :] * stride_wn
-    acc0 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=mask_s[:, None] & mask_k[None, :], other=0.0)
-        if W_TMA:  # [E, N, K] storage, each half's box transposed in shared memory
-            w0 = w_ptr.load([expert, pid_n * BLOCK_N, k0]).reshape(HALF, BLOCK_K).trans()
-            w1 = w_ptr.load([expert, pid_n * BLOCK_N + HALF, k0]).reshape(HALF, BLOCK_K).trans()
-        else:
-            w0 = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n0[None, :], other=0.0)
-            w1 = tl.load(w_ptrs + HALF * stride_wn, mask=mask_k[:, None] & mask_n1[None, :], other=0.0)
-        acc0 = dot(a, w0, acc0, DOT_PRECISION)
-        acc1 = dot(a, w1, acc1, DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        if not W_TMA:
-            w_ptrs += BLOCK_K * stride_wk
-    # half h is the tile pid_n * 2 + h of width HALF: its row sums go to that tile's slots
-    pre_ptrs0 = pre_ptr + rows_o[:, None] * stride_prem + offs_n0[None, :]
-    _backward_epilogue(acc0, None, None, pre_ptrs0, out_ptr, dscale_ptr, scale_ptr, offs_s, mask_s, rows_o,
-                       offs_n0, mask_s[:, None] & mask_n0[None, :], pid_n * 2, N, num_slots, stride_om,
-                       EPILOGUE, HAS_SCALE, FAST_MATH, PREFETCH, SLOT, HALF)
-    _backward_epilogue(acc1, None, None, pre_ptrs0 + HALF, out_ptr, dscale_ptr, scale_ptr, offs_s, mask_s, rows_o,
-                       offs_n1, mask_s[:, None] & mask_n1[None, :], pid_n * 2 + 1, N, num_slots, stride_om,
-                       EPILOGUE, HAS_SCALE, FAST_MATH, PREFETCH, SLOT, HALF)
-
-
-@triton.jit
 def _gemm_tile(
     expert, row0, seg_end, pid_n,
     a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr, gather_ptr, scatter_ptr,
@@ -435,34 +372,6 @@ def _gemm_tile(
 
 # restore_value: benchmarking a config runs the kernel several times; an in-place backward
 # epilogue (out over the pre-activation) must read the saved pre-activation each time
-@triton.jit
-def _tile(
-    expert, row0, seg_end, pid_n,
-    a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr, gather_ptr, scatter_ptr,
-    K, N, num_slots,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
-    EPILOGUE: tl.constexpr, HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_ACT_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    SLOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, W_TMA: tl.constexpr,
-):
-    """One output tile: _dswiglu_tile_halves where _split_tile says so, else _gemm_tile."""
-    if EPILOGUE == "dswiglu" and PREFETCH == 0 and BLOCK_N // 2 >= SLOT:  # _split_tile
-        _dswiglu_tile_halves(expert, row0, seg_end, pid_n,
-                             a_ptr, w_ptr, out_ptr, pre_ptr, dscale_ptr, scale_ptr, gather_ptr, scatter_ptr,
-                             K, N, num_slots,
-                             stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_prem,
-                             EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, DOT_PRECISION, FAST_MATH,
-                             SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
-    else:
-        _gemm_tile(expert, row0, seg_end, pid_n,
-                   a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
-                   gather_ptr, scatter_ptr, K, N, num_slots,
-                   stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
-                   EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
-                   FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
-
-
 @triton.autotune(configs=_gemm_configs(), key=["K", "N", "EPILOGUE", "W_TMA"],
                  prune_configs_by={"early_config_prune": _prune_gemm_configs}, restore_value=["out_ptr"])
 @triton.jit
@@ -509,23 +418,23 @@ def _grouped_gemm_kernel(
         for tile in tl.range(pid, num_tiles, tl.num_programs(0), flatten=True):
             expert, row0, seg_end, pid_n = _tile_coords(tile, tiles_cum_E, tiles_E, e_idx, offsets_ptr,
                                                         num_tiles_n, BLOCK_M)
-            _tile(expert, row0, seg_end, pid_n,
-                  a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
-                  gather_ptr, scatter_ptr, K, N, num_slots,
-                  stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
-                  EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
-                  FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
+            _gemm_tile(expert, row0, seg_end, pid_n,
+                       a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
+                       gather_ptr, scatter_ptr, K, N, num_slots,
+                       stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
+                       EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
+                       FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
     else:
         expert, row0, seg_end, pid_n = _tile_coords(pid, tiles_cum_E, tiles_E, e_idx, offsets_ptr,
                                                     num_tiles_n, BLOCK_M)
         if expert >= E:  # past the last tile of the last expert (the grid is an upper bound)
             return
-        _tile(expert, row0, seg_end, pid_n,
-              a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
-              gather_ptr, scatter_ptr, K, N, num_slots,
-              stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
-              EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
-              FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
+        _gemm_tile(expert, row0, seg_end, pid_n,
+                   a_ptr, w_ptr, out_ptr, act_ptr, pre_ptr, dscale_ptr, scale_ptr, act_scale_ptr,
+                   gather_ptr, scatter_ptr, K, N, num_slots,
+                   stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_om, stride_actm, stride_prem,
+                   EPILOGUE, HAS_GATHER, HAS_SCATTER, HAS_SCALE, HAS_ACT_SCALE, DOT_PRECISION,
+                   FAST_MATH, SLOT, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH, W_TMA)
 
 
 # ----------------------------------------------------------------------------------------------

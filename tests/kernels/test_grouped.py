@@ -236,40 +236,6 @@ def test_grouped_gemm_dact_kernel(activation, dtype, device, schedule):
     assert got_in.data_ptr() == pre2.data_ptr() and torch.equal(got_in, got[0])
 
 
-@pytest.mark.parametrize("tail", ["first_half", "second_half"])
-@pytest.mark.parametrize("persistent", [0, 1], ids=["per-tile", "persistent"])
-def test_dswiglu_tiles_run_as_two_column_halves(persistent, tail, device, monkeypatch):
-    """A dswiglu tile of 2 x SLOT columns runs as two accumulators of half the columns, each half
-    with its own epilogue and row-sum slot (_split_tile): F not a multiple of the tile (the last
-    tile ends inside its first half, the second wholly past N, or inside its second half), empty
-    experts, one expert's rows across several tiles."""
-    slot = G._DACT_SLOT
-    block_n = 2 * slot
-    T, E, K, H = 29, 5, 2, 24
-    F = block_n + slot // 2 if tail == "first_half" else 2 * block_n - slot // 2
-    cfg = triton.Config({"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 16, "PREFETCH": 0, "PERSISTENT": persistent},
-                        num_warps=4, num_stages=2, pre_hook=G._size_w_desc)
-    assert G._split_tile("dswiglu", 0, block_n, slot) and not G._split_tile("dswiglu", 1, block_n, slot)
-    assert not G._split_tile("dgelu", 0, block_n, slot)
-    monkeypatch.setattr(G._grouped_gemm_kernel, "configs", [cfg])
-    monkeypatch.setattr(G, "num_sms", lambda device: 2)
-    G.clear_tuning_cache()
-    try:
-        r, S, scale, gen = kernel_inputs("sparse", T, E, K, device)
-        dy = torch.randn(T, H, generator=gen).to(device)
-        w2 = torch.randn(E, F, H, generator=gen).to(device)
-        pre = torch.randn(S, 2 * F, generator=gen).to(device)
-        dpre, dscale = G.grouped_gemm_dact_triton(dy, w2.transpose(1, 2), r.expert_offsets_E1, pre, "swiglu",
-                                                  gather_S=r.sorted_token_N, scale_S=scale)
-    finally:
-        G.clear_tuning_cache()
-    e_S = r.expert_ids_N[r.sort_order_N.long()].long()
-    g = torch.stack([dy[int(t)].double() @ w2[int(e)].double().t() for t, e in zip(r.sorted_token_N, e_S)])
-    act, dgate, dup = f64.swiglu_and_grads(*pre.double().chunk(2, dim=1))
-    assert rel_err(dpre, torch.cat([g * dgate, g * dup], 1) * scale.double()[:, None]) < TOL[torch.float32]
-    assert rel_err(dscale, (g * act).sum(1)) < TOL[torch.float32]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_wgrad_kernel(dtype, device):
     T, E, K, Ka, Nb = 23, 6, 2, 35, 21
