@@ -1,0 +1,327 @@
+"""The activation's backward GEMM for Hopper in Gluon, with two MMA warpgroups taking turns (ping-pong):
+while one multiplies a tile, the other runs its epilogue (WORK IN PROGRESS: not dispatched; compiled
+for sm_90 on the CPU only).
+
+    dpre_SX, dscale_S = grouped_gemm_dact_pingpong(dy_TH, w2_EHF, offsets_E1, pre_SX, "swiglu",
+                                                   gather_S=token_S, scale_S=weight_S, inplace=True)
+
+g[s] = dy[gather(s)] @ w2[e]ᵀ (w_EKN the transposed view of a contiguous [E, N, K] tensor), then
+dpre = scale(s)·g·act'(pre) written over pre (swiglu: [d gate | d up]) and Σ_n g·act(pre) per row:
+what kernels/grouped.py's ``grouped_gemm_dact`` computes (its ``grouped_gemm_dact_reference`` is the
+reference).
+
+Why (docs/performance.md, "The dSwiGLU tile as two accumulators of half its columns"): the Triton
+kernel of this GEMM runs 0.63 / 1.06 / 1.44 ms at sonic-1536 / qwen3 / olmoe (H200) where the plain
+product over sorted rows (CUTLASS) takes 0.37 / 0.67 / 0.84; its epilogue (the pre-activation's read
+and dpre's write, 0.5-0.8 GB) never overlaps its MMAs, and a Gluon kernel of one tile at a time
+(commit 0023104) was no faster. Here each program (one per SM) walks its tiles i = pid, pid + grid, ...:
+  producer (4 warps): per tile, per 64-deep step, the TMA load of w's [128, 64] block of its
+      [E * N, K] storage and the cp.async of a's 128 gathered rows into a ring of NUM_BUF slots;
+  consumer c (one warpgroup each, c = 0, 1): the tiles i with i % 2 == c, a [128, 128] fp32
+      accumulator, its pre-activation blocks loaded by TMA into its own shared memory while it
+      multiplies; its epilogue writes dpre back through the same buffers (TMA store; the expert's
+      last, partial tile from registers, its rows masked) while the other consumer's MMAs run.
+The ring's slots are taken in tile order: consumer c's tile i uses the steps i * k_steps onwards;
+each slot is freed by the one consumer that read it.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import switches
+from ._common import cdiv
+from ._gluon import (
+    TensorDescriptor,
+    async_copy,
+    async_load,
+    available,
+    barrier,
+    fence_async_shared,
+    gl,
+    gluon,
+    maxnreg,
+    mbarrier,
+    num_sms,
+    on_sm90,
+    rows_ok,
+    tma,
+    tma_load,
+    tma_store,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from .gluon_gemm import _layout, _tile_table, _transposed
+from .launcher import launch
+
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF = 128, 128, 64, 3
+PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
+
+if gluon is not None:
+    from .gluon_gemm import _my_tiles, _store_rows, _tanh, _tile_mn, _tile_rows
+
+    @gluon.jit
+    def _producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                  a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                  PRODUCER_WARPS: gl.constexpr):
+        """Per tile, per step: wait for a free slot, the TMA load of w's [BLOCK_N, BLOCK_K] block and
+        the cp.async of a's gathered rows (the next tile's rows looked up a tile ahead)."""
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        pid, nprog, tiles_n, my_tiles, total = _my_tiles(num_m_ptr, N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        rows, mask = _tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
+                                BLOCK_N, load_layout)
+        count = 0
+        for i in range(my_tiles):
+            m, n0 = _tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            e = gl.load(tile_e_ptr + m)
+            for kk in range(k_steps):
+                slot = count % NUM_BUF
+                mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
+                bar = w_ready.index(slot)
+                mbarrier.expect(bar, w_desc.block_type.nbytes)
+                tma_load(w_desc, [e * N + n0, kk * BLOCK_K], bar, w_bufs.index(slot))  # storage [E * N, K]
+                cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
+                ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :]
+                async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
+                async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
+                count += 1
+            rows, mask = _tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
+                                    HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
+
+    @gluon.jit
+    def _gelu_and_grad(h):
+        """kernels/activation.py's gelu_and_grad with the hardware's tanh (its FAST path)."""
+        t = _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h))
+        act = 0.5 * h * (1.0 + t)
+        grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+        return act, grad
+
+    @gluon.jit
+    def _epilogue_part(acc, h_buf, up_buf, scale, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr,
+                       layout: gl.constexpr):
+        """Some of a tile's columns: acc = g there, h_buf / up_buf the pre-activation's (shared
+        memory), overwritten by dpre's (d gate, d up; gelu: dh); returns Σ_n g·act(pre)."""
+        g = acc
+        if HAS_SCALE:
+            g = acc * gl.convert_layout(scale, gl.SliceLayout(1, layout))[:, None]
+        h = h_buf.load(layout).to(gl.float32)
+        if SWIGLU:  # kernels/activation.py's swiglu_bwd, its FAST path
+            up = up_buf.load(layout).to(gl.float32)
+            sig = 0.5 + 0.5 * _tanh(0.5 * h)
+            silu = h * sig
+            act = silu * up
+            h_buf.store((g * up * sig * (1.0 + h * (1.0 - sig))).to(gl.bfloat16))
+            up_buf.store((g * silu).to(gl.bfloat16))
+        else:
+            act, grad = _gelu_and_grad(h)
+            h_buf.store((g * grad).to(gl.bfloat16))
+        return gl.sum(acc * act, axis=1)
+
+    @gluon.jit
+    def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                  SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        """Consumer C's tiles (i % 2 == C of this program's): the pre-activation's TMA loads first (the
+        tile two before's stores from the same buffers waited for), one MMA a step in flight, the
+        epilogue over the pre-activation in shared memory."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes a thread
+        NUM_PRE: gl.constexpr = 2 if SWIGLU else 1
+        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        pre_bar = pre_bars.index(C)
+        H_BUF: gl.constexpr = C * NUM_PRE
+        UP_BUF: gl.constexpr = H_BUF + NUM_PRE - 1  # swiglu's up block (gelu: the same as h's)
+        h_smem = pre_smem.index(H_BUF)
+        up_smem = pre_smem.index(UP_BUF)
+        for i in range(C, my_tiles, 2):
+            count = i * k_steps  # the ring's steps are taken in tile order
+            m, n0 = _tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            row0 = gl.load(tile_row_ptr + m)
+            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            scale = rows  # unused without HAS_SCALE
+            if HAS_SCALE:  # in flight during the MMAs
+                scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
+            tma.store_wait(0)  # this consumer's last dpre stores have read its buffers
+            barrier()  # and each of its threads has read them
+            mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
+            tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
+            if SWIGLU:
+                tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            for kk in range(k_steps):
+                slot = count % NUM_BUF
+                phase = (count // NUM_BUF) & 1
+                mbarrier.wait(w_ready.index(slot), phase)
+                mbarrier.wait(a_ready.index(slot), phase)
+                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is done: its slot free
+                barrier()  # this warpgroup's warps, before the one arrival
+                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
+                count += 1
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            barrier()
+            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
+            mbarrier.wait(pre_bar, (i // 2) & 1)
+            # the epilogue in two column halves, one after the other (registers: the whole tile's
+            # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's halves
+            # are its own registers, the pre-activation's halves slices of the buffers; each half's
+            # dpre goes back over the slices it was read from (the same layout: each thread writes
+            # what it read), which also keeps the second half's loads behind the first half's stores
+            a0, a1 = acc.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute((0, 2, 1)).split()
+            b0, b1 = a0.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
+            b2, b3 = a1.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
+            c0, c1 = b0.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            c2, c3 = b1.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            c4, c5 = b2.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            c6, c7 = b3.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            P: gl.constexpr = BLOCK_N // 8
+            p_layout: gl.constexpr = c0.type.layout
+            row_sum = _epilogue_part(c0, h_smem.slice(0, P, dim=1), up_smem.slice(0, P, dim=1), scale, SWIGLU,
+                                     HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c1, h_smem.slice(P, P, dim=1), up_smem.slice(P, P, dim=1), scale, SWIGLU,
+                                      HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c2, h_smem.slice(2 * P, P, dim=1), up_smem.slice(2 * P, P, dim=1), scale,
+                                      SWIGLU, HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c3, h_smem.slice(3 * P, P, dim=1), up_smem.slice(3 * P, P, dim=1), scale,
+                                      SWIGLU, HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c4, h_smem.slice(4 * P, P, dim=1), up_smem.slice(4 * P, P, dim=1), scale,
+                                      SWIGLU, HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c5, h_smem.slice(5 * P, P, dim=1), up_smem.slice(5 * P, P, dim=1), scale,
+                                      SWIGLU, HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c6, h_smem.slice(6 * P, P, dim=1), up_smem.slice(6 * P, P, dim=1), scale,
+                                      SWIGLU, HAS_SCALE, p_layout)
+            row_sum += _epilogue_part(c7, h_smem.slice(7 * P, P, dim=1), up_smem.slice(7 * P, P, dim=1), scale,
+                                      SWIGLU, HAS_SCALE, p_layout)
+            gl.store(dscale_ptr + rows.to(gl.int64) * num_slots + n0 // BLOCK_N,
+                     gl.convert_layout(row_sum, rows.type.layout), mask=rows < row_end)
+            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
+                fence_async_shared()
+                tma_store(pre_desc, [row0, n0], h_smem)
+                if SWIGLU:
+                    tma_store(pre_desc, [row0, N + n0], up_smem)
+            else:  # the expert's last tile: its rows only, read back 16 bytes a thread
+                barrier()
+                X = N * NUM_PRE
+                _store_rows(pre_ptr, h_smem.load(store_layout), row0, row_end, n0, X, stride_pm, BLOCK_M, BLOCK_N,
+                            store_layout)
+                if SWIGLU:
+                    _store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
+                                BLOCK_N, store_layout)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
+                    num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                    SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        C: gl.constexpr = 0
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
+                  num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots, SWIGLU,
+                  HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+
+    @gluon.jit
+    def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
+                    num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                    SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        C: gl.constexpr = 1
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
+                  num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots, SWIGLU,
+                  HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+
+    @gluon.jit
+    def _grouped_gemm_dact_pingpong_kernel(
+        a_ptr, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
+        num_m_ptr, K, N, stride_am, stride_pm, num_slots,
+        SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
+        # each consumer's pre-activation blocks (swiglu: gate and up), 2 x 2 x 32 KB
+        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [2 * (2 if SWIGLU else 1)] + pre_desc.block_type.shape,
+                                             pre_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        pre_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
+            mbarrier.init(w_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
+            mbarrier.init(empty_bars.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(pre_bars.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
+                           num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                           SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
+                           num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                           SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            (_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                         a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF, PRODUCER_WARPS)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None) -> bool:
+    """Whether ``grouped_gemm_dact`` with these arguments runs here: bf16 a, w and pre, w the
+    transposed view of a contiguous [E, N, K] tensor (the backward's w2ᵀ), K a multiple of 64,
+    N of 128, pre's rows 16-byte aligned and contiguous, an fp32 ``scale_S``; on an sm_90 GPU,
+    Gluon available, the switch on."""
+    if not (switches.gluon_gemm() and available()) or activation not in ("gelu", "swiglu"):
+        return False
+    if any(t.dtype != torch.bfloat16 for t in (a_MK, w_EKN, pre_SX)):
+        return False
+    if a_MK.dim() != 2 or w_EKN.dim() != 3 or offsets_E1.dim() != 1 or pre_SX.dim() != 2:
+        return False
+    if offsets_E1.shape[0] != w_EKN.shape[0] + 1 or w_EKN.shape[0] == 0:
+        return False
+    for idx in (gather_S, scale_S):
+        if idx is not None and (idx.dim() != 1 or not idx.is_contiguous()):
+            return False
+    if scale_S is not None and scale_S.dtype != torch.float32:
+        return False
+    S = gather_S.shape[0] if gather_S is not None else a_MK.shape[0]
+    K, N = a_MK.shape[1], w_EKN.shape[2]
+    if min(S, K, N) == 0 or K % BLOCK_K or N % BLOCK_N:
+        return False
+    if not _transposed(w_EKN) or w_EKN.data_ptr() % 16:
+        return False
+    if pre_SX.shape != (S, N * (2 if activation == "swiglu" else 1)) or not rows_ok(pre_SX):
+        return False
+    return rows_ok(a_MK) and on_sm90(a_MK)
+
+
+def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
+                               inplace=False):
+    """``grouped_gemm_dact``'s result (dpre, Σ_n g·act(pre)), within what :func:`supported` takes
+    (checked there, not here). Not ``inplace``: pre is copied first and the copy overwritten."""
+    S, K = pre_SX.shape[0], a_MK.shape[1]
+    E, _, N = w_EKN.shape
+    dev = a_MK.device
+    dpre = pre_SX if inplace else pre_SX.clone()
+    num_slots = cdiv(N, BLOCK_N)
+    dscale_part = torch.empty(S, num_slots, device=dev, dtype=torch.float32)
+    tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
+    w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], _layout(BLOCK_N, BLOCK_K))
+    pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [BLOCK_M, BLOCK_N],
+                                _layout(BLOCK_M, BLOCK_N))
+    launch(_grouped_gemm_dact_pingpong_kernel, (num_sms(dev),),
+           (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
+            scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
+            dpre.stride(0), num_slots),
+           dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, PRODUCER_WARPS=PRODUCER_WARPS,
+                PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
+    return dpre, dscale_part.sum(1)

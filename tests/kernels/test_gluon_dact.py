@@ -1,0 +1,146 @@
+"""The ping-pong Gluon kernel of the activation's backward (kernels/gluon_dact.py, work in progress):
+which calls it takes (CPU), and on an sm_90 GPU its results against float64 (a loop over the rows).
+
+    pytest tests/kernels/test_gluon_dact.py          # CPU: what supported() takes
+    pytest tests/kernels/test_gluon_dact.py -m gpu   # sm_90: the kernel against the reference
+
+Gluon does not run under Triton's interpreter; .devout-style compile checks for sm_90 run ptxas.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_moe.kernels import gluon_dact as GD
+from megatron_moe.kernels import grouped as G
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _float64 as f64  # noqa: E402
+
+bf16 = torch.bfloat16
+
+
+def _offsets(counts, device="cpu"):
+    return torch.tensor([0] + list(counts)).cumsum(0).to(torch.int32).to(device)
+
+
+@pytest.fixture
+def as_if_sm90(monkeypatch):
+    monkeypatch.setattr(GD, "on_sm90", lambda t: True)
+    monkeypatch.setattr(GD, "available", lambda: True)
+    monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
+
+
+def _operands(activation="swiglu", S=300, K=192, N=256, E=3, device="cpu"):
+    X = 2 * N if activation == "swiglu" else N
+    gen = torch.Generator().manual_seed(3)
+    counts = [100, 0, 200][:E] if S == 300 else None
+    return ((torch.randn(40, K, generator=gen).to(bf16).to(device),
+             (torch.randn(E, N, K, generator=gen) / K ** 0.5).to(bf16).to(device).transpose(1, 2),
+             _offsets(counts, device), torch.randn(S, X, generator=gen).to(bf16).to(device), activation),
+            dict(gather_S=torch.randint(0, 40, (S,), generator=gen).to(torch.int32).to(device),
+                 scale_S=torch.rand(S, generator=gen).to(device)))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_supported_takes(as_if_sm90, activation):
+    args, kw = _operands(activation)
+    assert GD.supported(*args, **kw)
+    assert GD.supported(torch.randn(300, 192).to(bf16), *args[1:])  # sorted rows, no scale
+
+
+@pytest.mark.parametrize("case", ["switch off", "fp32", "contiguous w", "N not a multiple of 128",
+                                  "K not a multiple of 64", "pre of another width", "bf16 scale",
+                                  "unknown activation", "no rows"])
+def test_supported_refuses(as_if_sm90, monkeypatch, case):
+    (a, w, offsets, pre, act), kw = _operands()
+    if case == "switch off":
+        monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "0")
+    elif case == "fp32":
+        a, w, pre = a.float(), w.float(), pre.float()
+    elif case == "contiguous w":
+        w = w.contiguous()
+    elif case == "N not a multiple of 128":
+        (a, w, offsets, pre, act), kw = _operands(N=192)
+    elif case == "K not a multiple of 64":
+        a, w = a[:, :160].contiguous(), torch.randn(3, 256, 160).to(bf16).transpose(1, 2)
+    elif case == "pre of another width":
+        pre = pre[:, :256].contiguous()
+    elif case == "bf16 scale":
+        kw["scale_S"] = kw["scale_S"].to(bf16)
+    elif case == "unknown activation":
+        act = "relu"
+    elif case == "no rows":
+        offsets, pre, kw = torch.zeros(4, dtype=torch.int32), pre[:0], {}
+        a = a[:0]
+    assert GD.supported(a, w, offsets, pre, act, **kw) is False
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel (GPU)
+# ----------------------------------------------------------------------------------------------
+
+CASES = {  # K, N, rows per expert (tiles alternate between the two consumers: odd and even counts)
+    "empty experts, partial tiles": (192, 256, [0, 100, 0, 200]),
+    "all rows to one expert": (128, 256, [0, 384, 0]),
+    "rows not a multiple of 128, short and long experts": (768, 384, [130, 1, 63, 64, 65, 677]),
+    "every tile full": (256, 128, [128, 128, 256]),
+    "one tile": (64, 128, [5]),
+    "more tiles than programs walk twice": (128, 128, [128 * 9 + 17] * 40),
+}
+
+
+def _on_gpu_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GD.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_pingpong_dact_matches_float64_reference(case, activation, monkeypatch):
+    """g = dy[t(s)] @ w2[e]ᵀ, dpre = scale(s)·g·act'(pre) over pre, dscale = Σ_n g·act(pre), in float64;
+    in place and not; the same bits as a second call."""
+    monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
+    if not _on_gpu_sm90():
+        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    K, N, counts = CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    offsets = _offsets(counts, "cuda")
+    S, E = sum(counts), len(counts)
+    X = 2 * N if activation == "swiglu" else N
+    dy = torch.randn(40, K, generator=gen).to(bf16).cuda()
+    w2 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).to(bf16).cuda()
+    pre = torch.randn(S, X, generator=gen).to(bf16).cuda()
+    token = torch.randint(0, 40, (S,), generator=gen).to(torch.int32).cuda()
+    scale = torch.rand(S, generator=gen).cuda()
+    args = (dy, w2.transpose(1, 2), offsets, pre, activation)
+    assert GD.supported(*args, gather_S=token, scale_S=scale), "the kernel must take this call"
+    pre_in = pre.clone()
+    dpre, dscale = GD.grouped_gemm_dact_pingpong(*args[:3], pre_in, activation, gather_S=token, scale_S=scale,
+                                                 inplace=True)
+    torch.cuda.synchronize()
+    assert dpre.data_ptr() == pre_in.data_ptr() and dpre.dtype == bf16 and dscale.dtype == torch.float32
+    tok, bounds, w64 = token.cpu().long(), offsets.cpu().tolist(), w2.double().cpu()
+    g = torch.cat([dy.double().cpu()[tok[lo:hi]] @ w64[e].t() for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+    h = pre.double().cpu()
+    if activation == "gelu":
+        act, dact = f64.gelu_and_grad(h)
+        want = g * dact
+    else:
+        act, dgate, dup = f64.swiglu_and_grads(*h.chunk(2, dim=1))
+        want = torch.cat([g * dgate, g * dup], 1)
+    want = want * scale.double().cpu()[:, None]
+    # bf16's rounding of each value, the hardware tanh's 2^-11 and the fp32 sums' order
+    err = (dpre.cpu().double() - want).abs()
+    bound = want.abs() * 2.0 ** -7 + 2e-3 * want.abs().max()
+    assert (err <= bound).all(), f"dpre: max error {err.max().item():.3e}, {(err > bound).sum().item()} over"
+    want_s = (g * act).sum(1)
+    assert ((dscale.cpu().double() - want_s).abs() <= 2e-3 * want_s.abs().max()).all(), "dscale"
+    # not in place: pre kept, the same bits
+    pre2 = pre.clone()
+    dpre2, dscale2 = GD.grouped_gemm_dact_pingpong(*args[:3], pre2, activation, gather_S=token, scale_S=scale)
+    assert torch.equal(pre2, pre) and torch.equal(dpre2, dpre) and torch.equal(dscale2, dscale)
+    # against the Triton kernel (the one the layer runs)
+    tri, tri_s = G.grouped_gemm_dact_triton(*args, gather_S=token, scale_S=scale)
+    assert (dpre.float() - tri.float()).abs().max() <= 2e-2 * tri.float().abs().max()
