@@ -30,26 +30,9 @@ import torch
 
 from . import switches
 from ._common import cdiv
-from ._gluon import (
-    TensorDescriptor,
-    async_copy,
-    async_load,
-    available,
-    barrier,
-    fence_async_shared,
-    gl,
-    gluon,
-    maxnreg,
-    mbarrier,
-    num_sms,
-    on_sm90,
-    rows_ok,
-    tma,
-    tma_load,
-    tma_store,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
+                     maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
+                     warpgroup_mma_wait)
 from .gluon_gemm import _layout, _tile_table, _transposed
 from .launcher import launch
 
@@ -277,8 +260,8 @@ def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, sca
     """Whether ``grouped_gemm_dact`` with these arguments runs here: bf16 a, w and pre, w the
     transposed view of a contiguous [E, N, K] tensor (the backward's w2ᵀ), K a multiple of 64,
     N of 128, pre's rows 16-byte aligned and contiguous, an fp32 ``scale_S``; on an sm_90 GPU,
-    Gluon available, the switch on."""
-    if not (switches.gluon_gemm() and available()) or activation not in ("gelu", "swiglu"):
+    Gluon available, the switches on (MEGATRON_MOE_GLUON_GEMM, and MEGATRON_MOE_GLUON_DACT=1)."""
+    if not (switches.gluon_gemm() and switches.gluon_dact() and available()) or activation not in ("gelu", "swiglu"):
         return False
     if any(t.dtype != torch.bfloat16 for t in (a_MK, w_EKN, pre_SX)):
         return False

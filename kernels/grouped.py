@@ -47,7 +47,7 @@ try:  # host-side TMA descriptors and their reduce-add (Triton 3.4+); without th
 except (ImportError, AttributeError):
     TensorDescriptor, _HAS_TMA_ADD = None, False
 
-from . import gluon_gemm, gluon_wgrad, launcher, switches, tuning
+from . import gluon_dact, gluon_gemm, gluon_wgrad, launcher, switches, tuning
 from ._common import (capability, cdiv, dot, expert_segments, input_precision, interpret_mode, next_power_of_2,
                       num_sms, use_triton)
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
@@ -967,6 +967,10 @@ def grouped_gemm_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=N
       dscale_S fp32 [S]: Σ_n g·act(pre), i.e. dL/d scale(s) when the forward multiplied the
               expert output by scale(s) (act recomputed from pre, not read).
     """
+    if gluon_dact.supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S):
+        _check_dact(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S, scale_S)
+        return gluon_dact.grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S,
+                                                     scale_S=scale_S, inplace=inplace)
     fn = grouped_gemm_dact_triton if use_triton(a_MK, w_EKN, offsets_E1) else grouped_gemm_dact_reference
     return fn(a_MK, w_EKN, offsets_E1, pre_SX, activation, gather_S=gather_S, scale_S=scale_S, inplace=inplace)
 

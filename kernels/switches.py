@@ -175,6 +175,12 @@ def gluon_gemm() -> bool:
     return getenv("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
 
 
+def gluon_dact() -> bool:
+    """MEGATRON_MOE_GLUON_DACT == "1" (work in progress, off by default): the activation's backward
+    GEMM runs kernels/gluon_dact.py's ping-pong kernel where it takes the call."""
+    return getenv("MEGATRON_MOE_GLUON_DACT", "0") == "1"
+
+
 FAST_LAUNCH = "MEGATRON_MOE_FAST_LAUNCH"
 
 

@@ -30,6 +30,7 @@ def as_if_sm90(monkeypatch):
     monkeypatch.setattr(GD, "on_sm90", lambda t: True)
     monkeypatch.setattr(GD, "available", lambda: True)
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
+    monkeypatch.setenv("MEGATRON_MOE_GLUON_DACT", "1")
 
 
 def _operands(activation="swiglu", S=300, K=192, N=256, E=3, device="cpu"):
@@ -50,13 +51,15 @@ def test_supported_takes(as_if_sm90, activation):
     assert GD.supported(torch.randn(300, 192).to(bf16), *args[1:])  # sorted rows, no scale
 
 
-@pytest.mark.parametrize("case", ["switch off", "fp32", "contiguous w", "N not a multiple of 128",
-                                  "K not a multiple of 64", "pre of another width", "bf16 scale",
-                                  "unknown activation", "no rows"])
+@pytest.mark.parametrize("case", ["switch off", "its own switch unset (off by default)", "fp32", "contiguous w",
+                                  "N not a multiple of 128", "K not a multiple of 64", "pre of another width",
+                                  "bf16 scale", "unknown activation", "no rows"])
 def test_supported_refuses(as_if_sm90, monkeypatch, case):
     (a, w, offsets, pre, act), kw = _operands()
     if case == "switch off":
         monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "0")
+    elif case == "its own switch unset (off by default)":
+        monkeypatch.delenv("MEGATRON_MOE_GLUON_DACT")
     elif case == "fp32":
         a, w, pre = a.float(), w.float(), pre.float()
     elif case == "contiguous w":
@@ -75,6 +78,17 @@ def test_supported_refuses(as_if_sm90, monkeypatch, case):
         offsets, pre, kw = torch.zeros(4, dtype=torch.int32), pre[:0], {}
         a = a[:0]
     assert GD.supported(a, w, offsets, pre, act, **kw) is False
+
+
+def test_grouped_gemm_dact_sends_what_the_kernel_takes_there(monkeypatch):
+    calls = []
+    monkeypatch.setattr(GD, "supported", lambda *a, **kw: True)
+    monkeypatch.setattr(GD, "grouped_gemm_dact_pingpong", lambda *a, **kw: calls.append(kw) or "gluon")
+    args, kw = _operands()
+    assert G.grouped_gemm_dact(*args, **kw, inplace=True) == "gluon"
+    assert calls == [dict(kw, inplace=True)]
+    with pytest.raises(ValueError, match="pre_SX"):  # the Triton path's checks run first
+        G.grouped_gemm_dact(*args[:3], args[3][:, :256], "swiglu", **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,6 +116,7 @@ def test_pingpong_dact_matches_float64_reference(case, activation, monkeypatch):
     """g = dy[t(s)] @ w2[e]ᵀ, dpre = scale(s)·g·act'(pre) over pre, dscale = Σ_n g·act(pre), in float64;
     in place and not; the same bits as a second call."""
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
+    monkeypatch.setenv("MEGATRON_MOE_GLUON_DACT", "1")
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
     K, N, counts = CASES[case]
