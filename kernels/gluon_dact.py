@@ -33,14 +33,14 @@ from ._common import cdiv
 from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
                      maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
                      warpgroup_mma_wait)
-from .gluon_gemm import _layout, _tile_table, _transposed
+from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF = 128, 128, 64, 3
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
-    from .gluon_gemm import _my_tiles, _store_rows, _tanh, _tile_mn, _tile_rows
+    from .gluon_gemm import program_tiles, store_rows, tanh_approx, tile_mn, tile_rows
 
     @gluon.jit
     def _producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
@@ -50,13 +50,13 @@ if gluon is not None:
         """Per tile, per step: wait for a free slot, the TMA load of w's [BLOCK_N, BLOCK_K] block and
         the cp.async of a's gathered rows (the next tile's rows looked up a tile ahead)."""
         load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        pid, nprog, tiles_n, my_tiles, total = _my_tiles(num_m_ptr, N, BLOCK_N)
+        pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
-        rows, mask = _tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
+        rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
                                 BLOCK_N, load_layout)
         count = 0
         for i in range(my_tiles):
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             e = gl.load(tile_e_ptr + m)
             for kk in range(k_steps):
                 slot = count % NUM_BUF
@@ -69,13 +69,13 @@ if gluon is not None:
                 async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
                 async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
                 count += 1
-            rows, mask = _tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
+            rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
                                     HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
 
     @gluon.jit
     def _gelu_and_grad(h):
         """kernels/activation.py's gelu_and_grad with the hardware's tanh (its FAST path)."""
-        t = _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h))
+        t = tanh_approx(0.7978845608028654 * (h + 0.044715 * h * h * h))
         act = 0.5 * h * (1.0 + t)
         grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
         return act, grad
@@ -91,7 +91,7 @@ if gluon is not None:
         h = h_buf.load(layout).to(gl.float32)
         if SWIGLU:  # kernels/activation.py's swiglu_bwd, its FAST path
             up = up_buf.load(layout).to(gl.float32)
-            sig = 0.5 + 0.5 * _tanh(0.5 * h)
+            sig = 0.5 + 0.5 * tanh_approx(0.5 * h)
             silu = h * sig
             act = silu * up
             h_buf.store((g * up * sig * (1.0 + h * (1.0 - sig))).to(gl.bfloat16))
@@ -113,7 +113,7 @@ if gluon is not None:
                                                              instr_shape=[16, BLOCK_N, 16])
         store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes a thread
         NUM_PRE: gl.constexpr = 2 if SWIGLU else 1
-        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, N, BLOCK_N)
+        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         pre_bar = pre_bars.index(C)
         H_BUF: gl.constexpr = C * NUM_PRE
@@ -122,7 +122,7 @@ if gluon is not None:
         up_smem = pre_smem.index(UP_BUF)
         for i in range(C, my_tiles, 2):
             count = i * k_steps  # the ring's steps are taken in tile order
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             row0 = gl.load(tile_row_ptr + m)
             row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
@@ -192,10 +192,10 @@ if gluon is not None:
             else:  # the expert's last tile: its rows only, read back 16 bytes a thread
                 barrier()
                 X = N * NUM_PRE
-                _store_rows(pre_ptr, h_smem.load(store_layout), row0, row_end, n0, X, stride_pm, BLOCK_M, BLOCK_N,
+                store_rows(pre_ptr, h_smem.load(store_layout), row0, row_end, n0, X, stride_pm, BLOCK_M, BLOCK_N,
                             store_layout)
                 if SWIGLU:
-                    _store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
+                    store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
                                 BLOCK_N, store_layout)
         tma.store_wait(0)
 
@@ -278,7 +278,7 @@ def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, sca
     K, N = a_MK.shape[1], w_EKN.shape[2]
     if min(S, K, N) == 0 or K % BLOCK_K or N % BLOCK_N:
         return False
-    if not _transposed(w_EKN) or w_EKN.data_ptr() % 16:
+    if not transposed_view(w_EKN) or w_EKN.data_ptr() % 16:
         return False
     if pre_SX.shape != (S, N * (2 if activation == "swiglu" else 1)) or not rows_ok(pre_SX):
         return False
@@ -295,10 +295,10 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
     dpre = pre_SX if inplace else pre_SX.clone()
     num_slots = cdiv(N, BLOCK_N)
     dscale_part = torch.empty(S, num_slots, device=dev, dtype=torch.float32)
-    tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
-    w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], _layout(BLOCK_N, BLOCK_K))
+    tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
+    w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], shared_layout(BLOCK_N, BLOCK_K))
     pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [BLOCK_M, BLOCK_N],
-                                _layout(BLOCK_M, BLOCK_N))
+                                shared_layout(BLOCK_M, BLOCK_N))
     launch(_grouped_gemm_dact_pingpong_kernel, (num_sms(dev),),
            (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
             scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),

@@ -15,7 +15,7 @@ kernels/switches.py) and the rest to its Triton kernel; its plain-PyTorch
 ``grouped_gemm_reference`` is the reference of both.
 
 One program per SM walks output tiles (128 sorted rows of one expert, columns fastest); the tiles
-are listed on the device (:func:`_tile_table`: per 128-row tile its expert, first row and the
+are listed on the device (:func:`tile_table`: per 128-row tile its expert, first row and the
 expert's end; one Triton launch, no host read). Two kernels:
   plain (no gather, no activation; 256 columns a tile): a producer warp issues the TMA loads of a
       three-slot ring, a's 128 rows and w's 64 x 256 block per step (a transposed w, the view of a
@@ -75,7 +75,7 @@ def _tile_table_kernel(offsets_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_
                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program p: the experts' tile counts and their running sum (every program; the first stores
     the total), then for its BLOCK_T tiles t each one's expert (how many experts' tiles end at or
-    before t, at most E - 1), first row and the expert's end, as :func:`_tile_table_reference`
+    before t, at most E - 1), first row and the expert's end, as :func:`tile_table_reference`
     computes them."""
     e = tl.arange(0, BLOCK_E)
     mask_e = e < E
@@ -103,7 +103,7 @@ if gluon is not None:
     # ------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _my_tiles(num_m_ptr, N, BLOCK_N: gl.constexpr):
+    def program_tiles(num_m_ptr, N, BLOCK_N: gl.constexpr):
         """This program's tiles t = pid, pid + nprog, ... of num_m x tiles_n (columns fastest)."""
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
@@ -112,12 +112,12 @@ if gluon is not None:
         return pid, nprog, tiles_n, gl.cdiv(gl.maximum(total - pid, 0), nprog), total
 
     @gluon.jit
-    def _tile_mn(t, tiles_n, BLOCK_N: gl.constexpr):
+    def tile_mn(t, tiles_n, BLOCK_N: gl.constexpr):
         """Tile t's 128-row tile (an index into the tile list) and first column."""
         return t // tiles_n, (t % tiles_n) * BLOCK_N
 
     @gluon.jit
-    def _store_rows(ptr, vals, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
+    def store_rows(ptr, vals, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
                     layout: gl.constexpr):
         """Masked stores from registers of a tile's rows before row_end and its columns before N."""
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -128,14 +128,14 @@ if gluon is not None:
     @gluon.jit
     def _store_staged(ptr, vals, buf, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
                       NUM_WARPS: gl.constexpr):
-        """_store_rows through the shared-memory buffer ``buf``: read back in a layout whose threads
+        """store_rows through the shared-memory buffer ``buf``: read back in a layout whose threads
         hold 8 neighbouring columns (16-byte stores, a warp per row) rather than the MMA layout's
         pairs. The callers' next write of ``buf`` follows a thread barrier of their MMA loop."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
         tma.store_wait(0)  # the buffer's last TMA store has read it
         buf.store(vals)
         barrier()
-        _store_rows(ptr, buf.load(layout), row0, row_end, col0, N, stride_m, BLOCK_M, BLOCK_C, layout)
+        store_rows(ptr, buf.load(layout), row0, row_end, col0, N, stride_m, BLOCK_M, BLOCK_C, layout)
 
     # ---- plain: sorted a by TMA, one 128 x 256 accumulator ------------------------------------
 
@@ -144,11 +144,11 @@ if gluon is not None:
                   K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, W_T: gl.constexpr):
         """Per tile, per step of BLOCK_K: wait for a free slot, TMA a's rows and w's block into it
         (W_T: w's [BLOCK_N, BLOCK_K] block of its [E, N, K] storage)."""
-        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, N, BLOCK_N)
+        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for i in range(my_tiles):
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             e = gl.load(tile_e_ptr + m)
             row0 = gl.load(tile_row_ptr + m)
             for kk in range(k_steps):
@@ -171,11 +171,11 @@ if gluon is not None:
         """The MMAs (one in flight; the slot of the step before freed) and each tile's store."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, N, BLOCK_N)
+        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for i in range(my_tiles):
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             row0 = gl.load(tile_row_ptr + m)
             row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
@@ -227,10 +227,10 @@ if gluon is not None:
     # ---- swiglu: gathered a by cp.async, the gate's and the up projection's accumulators -----
 
     @gluon.jit
-    def _tile_rows(t, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER: gl.constexpr,
+    def tile_rows(t, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER: gl.constexpr,
                    BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, layout: gl.constexpr):
         """The rows of a that tile t (clamped into the list) reads, and which are its expert's."""
-        m, _ = _tile_mn(gl.maximum(gl.minimum(t, total - 1), 0), tiles_n, HALF_N)
+        m, _ = tile_mn(gl.maximum(gl.minimum(t, total - 1), 0), tiles_n, HALF_N)
         rows = gl.load(tile_row_ptr + m) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         mask = rows < gl.load(tile_end_ptr + m)
         if HAS_GATHER:
@@ -246,13 +246,13 @@ if gluon is not None:
         column blocks and the cp.async of a's rows (the next tile's rows loaded a tile ahead)."""
         # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
         load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        pid, nprog, tiles_n, my_tiles, total = _my_tiles(num_m_ptr, F, HALF_N)
+        pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, F, HALF_N)
         k_steps = gl.cdiv(K, BLOCK_K)
-        rows, mask = _tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
+        rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
                                 HALF_N, load_layout)
         count = 0
         for i in range(my_tiles):
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, HALF_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, HALF_N)
             e = gl.load(tile_e_ptr + m)
             for kk in range(k_steps):
                 slot = count % NUM_BUF
@@ -266,11 +266,11 @@ if gluon is not None:
                 async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
                 async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
                 count += 1
-            rows, mask = _tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
+            rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
                                     HAS_GATHER, BLOCK_M, HALF_N, load_layout)
 
     @gluon.jit
-    def _tanh(x):
+    def tanh_approx(x):
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                          pack=1)
 
@@ -279,7 +279,7 @@ if gluon is not None:
         """act_scale(s)·silu(gate)·up of the rounded pre-activation, in fp32 with the hardware's
         tanh (the Triton kernel's 16-bit path, kernels/activation.py), rounded to bf16."""
         g = gate.to(gl.float32)
-        act = g * (0.5 + 0.5 * _tanh(0.5 * g)) * up.to(gl.float32)
+        act = g * (0.5 + 0.5 * tanh_approx(0.5 * g)) * up.to(gl.float32)
         if HAS_ACT_SCALE:
             act = act * act_scale[:, None]
         return act.to(gl.bfloat16)
@@ -304,11 +304,11 @@ if gluon is not None:
         epilogue: pre's gate and up blocks, then the activation's."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, HALF_N, 16])
-        pid, nprog, tiles_n, my_tiles, _ = _my_tiles(num_m_ptr, F, HALF_N)
+        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, F, HALF_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
         for i in range(my_tiles):
-            m, n0 = _tile_mn(pid + i * nprog, tiles_n, HALF_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, HALF_N)
             row0 = gl.load(tile_row_ptr + m)
             row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
@@ -342,11 +342,11 @@ if gluon is not None:
                 _stage(1, up, pre_desc, row0, F + n0, out_smem)
                 _stage(2, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), act_desc, row0, n0, out_smem)
             else:  # the expert's last tile: its rows only
-                _store_rows(pre_ptr, gate, row0, row_end, n0, F, stride_pm, BLOCK_M, HALF_N,
+                store_rows(pre_ptr, gate, row0, row_end, n0, F, stride_pm, BLOCK_M, HALF_N,
                             acc_layout)
-                _store_rows(pre_ptr, up, row0, row_end, F + n0, 2 * F, stride_pm, BLOCK_M, HALF_N,
+                store_rows(pre_ptr, up, row0, row_end, F + n0, 2 * F, stride_pm, BLOCK_M, HALF_N,
                             acc_layout)
-                _store_rows(act_ptr, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), row0, row_end, n0, F,
+                store_rows(act_ptr, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), row0, row_end, n0, F,
                             stride_am_out, BLOCK_M, HALF_N, acc_layout)
         tma.store_wait(0)
 
@@ -414,27 +414,27 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
     K, N = a_MK.shape[1], w_EKN.shape[2]
     if min(S, K, N) == 0 or K % BLOCK_K or N % 16 or w_EKN.data_ptr() % 16:
         return False
-    if not (w_EKN.is_contiguous() or (activation is None and _transposed(w_EKN))):
+    if not (w_EKN.is_contiguous() or (activation is None and transposed_view(w_EKN))):
         return False
     if activation is not None and N % (2 * HALF_N):  # the gate's 128-column blocks inside its half
         return False
     return rows_ok(a_MK) and on_sm90(a_MK)
 
 
-def _transposed(w_EKN) -> bool:
+def transposed_view(w_EKN) -> bool:
     """w a transposed view of a contiguous [E, N, K] tensor (the input gradient's w1ᵀ), not also
     contiguous itself (a single row or column is both; the plain layout reads it then)."""
     return w_EKN.transpose(1, 2).is_contiguous() and not w_EKN.is_contiguous()
 
 
-def _tile_table(offsets_E1, max_rows):
+def tile_table(offsets_E1, max_rows):
     """Per 128-row tile (each expert's from its first row, experts in order): its expert, first
     row and the expert's end, over a bound of cdiv(S, BLOCK_M) + E tiles; and the number of tiles,
     a one-element tensor. int32, on the device, no host read: one Triton launch, a program per
-    _TABLE_BLOCK_T tiles (on the CPU without the interpreter, :func:`_tile_table_reference`'s torch
+    _TABLE_BLOCK_T tiles (on the CPU without the interpreter, :func:`tile_table_reference`'s torch
     ops; on a GPU those were ~20 launches per call, measured in docs/performance.md)."""
     if not use_triton(offsets_E1):
-        return _tile_table_reference(offsets_E1, max_rows)
+        return tile_table_reference(offsets_E1, max_rows)
     E = offsets_E1.shape[0] - 1
     num_tiles = cdiv(max_rows, BLOCK_M) + E
     dev = offsets_E1.device
@@ -446,8 +446,8 @@ def _tile_table(offsets_E1, max_rows):
     return tile_e, tile_row, tile_end, num_m
 
 
-def _tile_table_reference(offsets_E1, max_rows):
-    """:func:`_tile_table` in torch ops (about twenty of them)."""
+def tile_table_reference(offsets_E1, max_rows):
+    """:func:`tile_table` in torch ops (about twenty of them)."""
     E = offsets_E1.shape[0] - 1
     bounds = offsets_E1.long()
     m_tiles = (bounds[1:] - bounds[:-1] + BLOCK_M - 1) // BLOCK_M
@@ -460,7 +460,7 @@ def _tile_table_reference(offsets_E1, max_rows):
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(rows, cols):
+def shared_layout(rows, cols):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
@@ -472,14 +472,14 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
     S, K = a_MK.shape
     E, _, N = w_EKN.shape
     out = torch.empty(S, N, device=a_MK.device, dtype=torch.bfloat16)
-    tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
-    a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], _layout(BLOCK_M, BLOCK_K))
-    w_t = _transposed(w_EKN)
+    tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
+    a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], shared_layout(BLOCK_M, BLOCK_K))
+    w_t = transposed_view(w_EKN)
     if w_t:  # its [E, N, K] storage, blocks of [BLOCK_N, BLOCK_K]
-        w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], _layout(BLOCK_N, BLOCK_K))
+        w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], shared_layout(BLOCK_N, BLOCK_K))
     else:
-        w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _layout(BLOCK_K, BLOCK_N))
-    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], _layout(BLOCK_M, BLOCK_N))
+        w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], shared_layout(BLOCK_K, BLOCK_N))
+    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
     launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),),
            (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0)),
            dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, W_T=w_t,
@@ -496,9 +496,9 @@ def _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S):
     dev = a_MK.device
     pre = torch.empty(S, N, device=dev, dtype=torch.bfloat16)
     act = torch.empty(S, F, device=dev, dtype=torch.bfloat16)
-    tile_e, tile_row, tile_end, num_m = _tile_table(offsets_E1, S)
-    half = _layout(BLOCK_M, HALF_N)
-    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, HALF_N], _layout(BLOCK_K, HALF_N))
+    tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
+    half = shared_layout(BLOCK_M, HALF_N)
+    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, HALF_N], shared_layout(BLOCK_K, HALF_N))
     pre_desc = TensorDescriptor(pre, [S, N], [N, 1], [BLOCK_M, HALF_N], half)
     act_desc = TensorDescriptor(act, [S, F], [F, 1], [BLOCK_M, HALF_N], half)
     launch(_grouped_gemm_swiglu_kernel, (num_sms(dev),),

@@ -35,7 +35,7 @@ TABLE_COUNTS = [[0, 100, 0, 200], [256, 0, 0], [1, 127, 128, 129, 0, 383], [0, 0
 def test_tile_table_lists_each_experts_128_row_tiles_in_order(counts, table, device):
     offsets = _offsets(counts, device)
     S = sum(counts) + 7  # rows past the last expert's end (padding): in no tile
-    fn = GG._tile_table if table == "kernel" else GG._tile_table_reference  # kernel: on the CPU, the interpreter's
+    fn = GG.tile_table if table == "kernel" else GG.tile_table_reference  # kernel: on the CPU, the interpreter's
     tile_e, tile_row, tile_end, num_m = fn(offsets, S)
     want = [(e, start + i * 128, start + n) for e, (start, n) in enumerate(zip(offsets[:-1].tolist(), counts))
             for i in range(-(-n // 128))]
@@ -49,7 +49,7 @@ def test_tile_table_lists_each_experts_128_row_tiles_in_order(counts, table, dev
 @pytest.mark.parametrize("counts", TABLE_COUNTS)
 def test_tile_table_kernel_equals_its_reference_past_the_last_tile_too(counts, device):
     offsets, S = _offsets(counts, device), sum(counts) + 300
-    for got, want in zip(GG._tile_table(offsets, S), GG._tile_table_reference(offsets, S)):
+    for got, want in zip(GG.tile_table(offsets, S), GG.tile_table_reference(offsets, S)):
         assert torch.equal(got, want)
 
 
