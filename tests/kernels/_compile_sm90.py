@@ -73,8 +73,8 @@ def compile_only() -> collections.Counter:
         if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
             mod.use_triton = always
     grouped.num_sms = lambda device: 132
-    from megatron_moe.kernels import gluon_gemm, gluon_wgrad  # the Gluon kernels: "an sm_90 GPU" too
-    for mod in (gluon_gemm, gluon_wgrad):
+    from megatron_moe.kernels import gluon_dact, gluon_gemm, gluon_wgrad  # the Gluon kernels: "an sm_90 GPU" too
+    for mod in (gluon_dact, gluon_gemm, gluon_wgrad):
         mod.on_sm90 = lambda t: True
         mod.num_sms = lambda device: 132
     # TMA descriptors on the CPU tensors: only the tensor-memory unit's layout rules
@@ -96,7 +96,7 @@ def _layer_step(impl, dtype, **kw):
 
 def scenarios():
     from megatron_moe.kernels.adamw import adamw_step_, hyperparameters
-    from megatron_moe.kernels.grouped import grouped_gemm, grouped_wgrad
+    from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
     from megatron_moe.kernels.metadata import routing_metadata
     from megatron_moe.ops.cross_entropy import lm_cross_entropy
     from megatron_moe.ops.permute import permute_tokens, unpermute_tokens
@@ -165,6 +165,19 @@ def scenarios():
         grouped_gemm(a, w, offsets, activation="swiglu")
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
+
+    def dact_gluon():  # kernels/gluon_dact.py (its switch on): swiglu and gelu, dy gathered, w2ᵀ
+        os.environ["MEGATRON_MOE_GLUON_DACT"] = "1"
+        try:
+            dy, w2 = torch.randn(40, 128, dtype=bf16), torch.randn(3, 256, 128, dtype=bf16)
+            offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
+            token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
+            for activation, width in (("swiglu", 512), ("gelu", 256)):
+                pre = torch.randn(256, width, dtype=bf16)
+                grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre, activation, gather_S=token, scale_S=weight)
+        finally:
+            del os.environ["MEGATRON_MOE_GLUON_DACT"]
+    yield "Gluon activation backward (ping-pong, switched on)", dact_gluon
 
     def permutation():
         ids = torch.randint(0, 8, (50, 2))
