@@ -102,10 +102,10 @@ if gluon is not None:
         return gl.sum(acc * act, axis=1)
 
     @gluon.jit
-    def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr,
-                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                  SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+    def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr,
+                  tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N,
+                  stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         """Consumer C's tiles (i % 2 == C of this program's): the pre-activation's TMA loads first (the
         tile two before's stores from the same buffers waited for), one MMA a step in flight, the
         epilogue over the pre-activation in shared memory."""
@@ -136,6 +136,10 @@ if gluon is not None:
             if SWIGLU:
                 tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            # the other consumer's MMAs of the tile before are all done (its ring steps too): a parity
+            # wait on a slot is only sound within one phase of the barrier, and this tile's first step
+            # is k_steps past the other's first (consumer 0's first tile waits for nothing)
+            mbarrier.wait(turn_bars.index(C), ((i // 2) & 1) ^ (1 - C))
             for kk in range(k_steps):
                 slot = count % NUM_BUF
                 phase = (count // NUM_BUF) & 1
@@ -151,6 +155,7 @@ if gluon is not None:
             acc = warpgroup_mma_wait(0, deps=[acc])
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
+            mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
             mbarrier.wait(pre_bar, (i // 2) & 1)
             # the epilogue in two column halves, one after the other (registers: the whole tile's
             # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's halves
@@ -200,24 +205,24 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                    num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+    def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                    tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
                     SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         C: gl.constexpr = 0
-        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                  num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots, SWIGLU,
-                  HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
 
     @gluon.jit
-    def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                    num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+    def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                    tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
                     SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         C: gl.constexpr = 1
-        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                  num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots, SWIGLU,
-                  HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
 
     @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
@@ -237,19 +242,21 @@ if gluon is not None:
         w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         pre_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
             mbarrier.init(w_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
             mbarrier.init(empty_bars.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(pre_bars.index(i), count=1)
+            mbarrier.init(turn_bars.index(i), count=1)
         gl.warp_specialize([
-            (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                           num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                           SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
-            (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr, tile_end_ptr,
-                           num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                           SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                           tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm,
+                           num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+                           tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm,
+                           num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
             (_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
                          a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
                          NUM_BUF, PRODUCER_WARPS)),

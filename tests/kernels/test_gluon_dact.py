@@ -102,6 +102,9 @@ CASES = {  # K, N, rows per expert (tiles alternate between the two consumers: o
     "every tile full": (256, 128, [128, 128, 256]),
     "one tile": (64, 128, [5]),
     "more tiles than programs walk twice": (128, 128, [128 * 9 + 17] * 40),
+    # both consumers a tile a program or more, each 16 ring steps deep (more than twice the ring: a
+    # consumer that waited on a slot out of turn would read another tile's operands)
+    "long K, several tiles a program": (1024, 256, [300] * 70),
 }
 
 
