@@ -36,7 +36,11 @@ from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrie
 from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF = 128, 128, 64, 3
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
+# EARLY_TURN: the other consumer's turn once this one's MMAs are issued (not done); SHARED_PRE: one
+# pre-activation buffer the consumers' epilogues take in turn (its load no longer under the MMAs),
+# which leaves shared memory for a deeper ring (NUM_BUF: swiglu, gelu)
+EARLY_TURN, SHARED_PRE, NUM_BUF = True, True, {"swiglu": 5, "gelu": 6}
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
@@ -102,10 +106,11 @@ if gluon is not None:
         return gl.sum(acc * act, axis=1)
 
     @gluon.jit
-    def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr,
+    def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                   tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N,
                   stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                  EARLY_TURN: gl.constexpr, SHARED_PRE: gl.constexpr):
         """Consumer C's tiles (i % 2 == C of this program's): the pre-activation's TMA loads first (the
         tile two before's stores from the same buffers waited for), one MMA a step in flight, the
         epilogue over the pre-activation in shared memory."""
@@ -116,7 +121,7 @@ if gluon is not None:
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         pre_bar = pre_bars.index(C)
-        H_BUF: gl.constexpr = C * NUM_PRE
+        H_BUF: gl.constexpr = 0 if SHARED_PRE else C * NUM_PRE
         UP_BUF: gl.constexpr = H_BUF + NUM_PRE - 1  # swiglu's up block (gelu: the same as h's)
         h_smem = pre_smem.index(H_BUF)
         up_smem = pre_smem.index(UP_BUF)
@@ -129,12 +134,13 @@ if gluon is not None:
             scale = rows  # unused without HAS_SCALE
             if HAS_SCALE:  # in flight during the MMAs
                 scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
-            tma.store_wait(0)  # this consumer's last dpre stores have read its buffers
-            barrier()  # and each of its threads has read them
-            mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
-            tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
-            if SWIGLU:
-                tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
+            if not SHARED_PRE:
+                tma.store_wait(0)  # this consumer's last dpre stores have read its buffers
+                barrier()  # and each of its threads has read them
+                mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
+                tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
+                if SWIGLU:
+                    tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             # the other consumer's MMAs of the tile before are all done (its ring steps too): a parity
             # wait on a slot is only sound within one phase of the barrier, and this tile's first step
@@ -152,10 +158,19 @@ if gluon is not None:
                 barrier()  # this warpgroup's warps, before the one arrival
                 mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
                 count += 1
+            if EARLY_TURN:  # every warp past the last step's barrier: all this tile's MMAs issued
+                mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
             acc = warpgroup_mma_wait(0, deps=[acc])
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
+            if not EARLY_TURN:
+                mbarrier.arrive(turn_bars.index(1 - C))
+            if SHARED_PRE:  # the buffer once the other consumer's epilogue of the tile before is done
+                mbarrier.wait(pre_turn.index(C), ((i // 2) & 1) ^ (1 - C))
+                mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
+                tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
+                if SWIGLU:
+                    tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             mbarrier.wait(pre_bar, (i // 2) & 1)
             # the epilogue in two column halves, one after the other (registers: the whole tile's
             # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's halves
@@ -202,27 +217,34 @@ if gluon is not None:
                 if SWIGLU:
                     store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
                                 BLOCK_N, store_layout)
+            if SHARED_PRE:
+                tma.store_wait(0)  # the stores have read the buffer
+                fence_async_shared()  # this consumer's writes of it before the other's TMA load
+                barrier()  # and each thread's reads
+                mbarrier.arrive(pre_turn.index(1 - C))
         tma.store_wait(0)
 
     @gluon.jit
-    def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+    def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                     tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
                     SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, EARLY_TURN: gl.constexpr,
+                    SHARED_PRE: gl.constexpr):
         C: gl.constexpr = 0
-        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                   tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, EARLY_TURN, SHARED_PRE)
 
     @gluon.jit
-    def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+    def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                     tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
                     SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, EARLY_TURN: gl.constexpr,
+                    SHARED_PRE: gl.constexpr):
         C: gl.constexpr = 1
-        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                   tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, EARLY_TURN, SHARED_PRE)
 
     @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
@@ -230,19 +252,22 @@ if gluon is not None:
         num_m_ptr, K, N, stride_am, stride_pm, num_slots,
         SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_TURN: gl.constexpr,
+        SHARED_PRE: gl.constexpr,
     ):
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
         # each consumer's pre-activation blocks (swiglu: gate and up), 2 x 2 x 32 KB
-        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [2 * (2 if SWIGLU else 1)] + pre_desc.block_type.shape,
+        NUM_PRE_BUF: gl.constexpr = (1 if SHARED_PRE else 2) * (2 if SWIGLU else 1)
+        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [NUM_PRE_BUF] + pre_desc.block_type.shape,
                                              pre_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         pre_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pre_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
             mbarrier.init(w_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
@@ -250,13 +275,16 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(pre_bars.index(i), count=1)
             mbarrier.init(turn_bars.index(i), count=1)
-        gl.warp_specialize([
-            (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
-                           tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm,
-                           num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
-            (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, dscale_ptr, scale_ptr, tile_row_ptr,
-                           tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm,
-                           num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            mbarrier.init(pre_turn.index(i), count=1)
+        gl.warp_specialize([  # the two consumers' arguments written out: Triton 3.6 takes no tuple name here
+            (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
+                           tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
+                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF,
+                           EARLY_TURN, SHARED_PRE)),
+            (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
+                           tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
+                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF,
+                           EARLY_TURN, SHARED_PRE)),
             (_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
                          a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
                          NUM_BUF, PRODUCER_WARPS)),
@@ -311,7 +339,8 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
             scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
             dpre.stride(0), num_slots),
            dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, PRODUCER_WARPS=PRODUCER_WARPS,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF[activation] if SHARED_PRE else 3,
+                PRODUCER_WARPS=PRODUCER_WARPS, EARLY_TURN=EARLY_TURN, SHARED_PRE=SHARED_PRE,
                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
                 maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
     return dpre, dscale_part.sum(1)
