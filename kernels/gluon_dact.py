@@ -1,28 +1,31 @@
 """The activation's backward GEMM for Hopper in Gluon, with two MMA warpgroups taking turns (ping-pong):
-while one multiplies a tile, the other runs its epilogue (WORK IN PROGRESS: not dispatched; compiled
-for sm_90 on the CPU only).
+while one multiplies a tile, the other runs its epilogue.
 
-    dpre_SX, dscale_S = grouped_gemm_dact_pingpong(dy_TH, w2_EHF, offsets_E1, pre_SX, "swiglu",
+    dpre_SX, dscale_S = grouped_gemm_dact_pingpong(dy_TH, w2_EKN, offsets_E1, pre_SX, "swiglu",
                                                    gather_S=token_S, scale_S=weight_S, inplace=True)
 
 g[s] = dy[gather(s)] @ w2[e]ᵀ (w_EKN the transposed view of a contiguous [E, N, K] tensor), then
 dpre = scale(s)·g·act'(pre) written over pre (swiglu: [d gate | d up]) and Σ_n g·act(pre) per row:
 what kernels/grouped.py's ``grouped_gemm_dact`` computes (its ``grouped_gemm_dact_reference`` is the
-reference).
+reference), and where it sends the calls :func:`supported` takes (sm_90; MEGATRON_MOE_GLUON_DACT=0:
+never).
 
-Why (docs/performance.md, "The dSwiGLU tile as two accumulators of half its columns"): the Triton
-kernel of this GEMM runs 0.63 / 1.06 / 1.44 ms at sonic-1536 / qwen3 / olmoe (H200) where the plain
-product over sorted rows (CUTLASS) takes 0.37 / 0.67 / 0.84; its epilogue (the pre-activation's read
-and dpre's write, 0.5-0.8 GB) never overlaps its MMAs, and a Gluon kernel of one tile at a time
-(commit 0023104) was no faster. Here each program (one per SM) walks its tiles i = pid, pid + grid, ...:
+Why (docs/performance.md, "The ping-pong kernel of the activation's backward"): the Triton kernel's
+epilogue (the pre-activation's read and dpre's write, 0.5-0.8 GB at the SwiGLU shapes) never overlaps
+its MMAs. Here it does, and this kernel ran 1.07-1.23x the Triton one at sonic-1536 / qwen3 / olmoe
+and paper-moe-m, 0.99-1.02x at sonic-4096 and fine-64e-top8 (H200, 2026-12-03).
+Each program (one per SM) walks its tiles i = pid, pid + grid, ...:
   producer (4 warps): per tile, per 64-deep step, the TMA load of w's [128, 64] block of its
       [E * N, K] storage and the cp.async of a's 128 gathered rows into a ring of NUM_BUF slots;
   consumer c (one warpgroup each, c = 0, 1): the tiles i with i % 2 == c, a [128, 128] fp32
-      accumulator, its pre-activation blocks loaded by TMA into its own shared memory while it
-      multiplies; its epilogue writes dpre back through the same buffers (TMA store; the expert's
-      last, partial tile from registers, its rows masked) while the other consumer's MMAs run.
-The ring's slots are taken in tile order: consumer c's tile i uses the steps i * k_steps onwards;
-each slot is freed by the one consumer that read it.
+      accumulator. The consumers take turns at the ring: c multiplies tile i only once the other's
+      MMAs of tile i - 1 are done, so the ring's slots are read in step order (a parity wait on a
+      slot's barrier is only sound within one phase of it). They also take turns at one
+      pre-activation buffer (swiglu: gate and up, 64 KB): after its MMAs, c loads its tile's
+      pre-activation there by TMA, runs the epilogue in place and stores dpre from it (TMA; the
+      expert's last, partial tile from registers, its rows masked), all under the other's MMAs. One
+      buffer rather than one per consumer leaves room for a ring of 5 slots (swiglu; gelu 6), which
+      is where the speed came from: with two buffers and 3 slots the kernel was 0.90-1.10x Triton's.
 """
 from __future__ import annotations
 
@@ -37,10 +40,7 @@ from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-# EARLY_TURN: the other consumer's turn once this one's MMAs are issued (not done); SHARED_PRE: one
-# pre-activation buffer the consumers' epilogues take in turn (its load no longer under the MMAs),
-# which leaves shared memory for a deeper ring (NUM_BUF: swiglu, gelu)
-EARLY_TURN, SHARED_PRE, NUM_BUF = True, True, {"swiglu": 5, "gelu": 6}
+NUM_BUF = {"swiglu": 5, "gelu": 6}  # the ring's slots: 32 KB each beside the pre-activation's 64 / 32 KB
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
@@ -109,11 +109,9 @@ if gluon is not None:
     def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                   tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N,
                   stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                  EARLY_TURN: gl.constexpr, SHARED_PRE: gl.constexpr):
-        """Consumer C's tiles (i % 2 == C of this program's): the pre-activation's TMA loads first (the
-        tile two before's stores from the same buffers waited for), one MMA a step in flight, the
-        epilogue over the pre-activation in shared memory."""
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        """Consumer C's tiles (i % 2 == C of this program's): its turn at the ring (one MMA a step in
+        flight), then its turn at the pre-activation's buffer, the epilogue there, dpre stored from it."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes a thread
@@ -121,10 +119,8 @@ if gluon is not None:
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         pre_bar = pre_bars.index(C)
-        H_BUF: gl.constexpr = 0 if SHARED_PRE else C * NUM_PRE
-        UP_BUF: gl.constexpr = H_BUF + NUM_PRE - 1  # swiglu's up block (gelu: the same as h's)
-        h_smem = pre_smem.index(H_BUF)
-        up_smem = pre_smem.index(UP_BUF)
+        h_smem = pre_smem.index(0)
+        up_smem = pre_smem.index(NUM_PRE - 1)  # swiglu's up block (gelu: the same as h's)
         for i in range(C, my_tiles, 2):
             count = i * k_steps  # the ring's steps are taken in tile order
             m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
@@ -134,13 +130,6 @@ if gluon is not None:
             scale = rows  # unused without HAS_SCALE
             if HAS_SCALE:  # in flight during the MMAs
                 scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
-            if not SHARED_PRE:
-                tma.store_wait(0)  # this consumer's last dpre stores have read its buffers
-                barrier()  # and each of its threads has read them
-                mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
-                tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
-                if SWIGLU:
-                    tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             # the other consumer's MMAs of the tile before are all done (its ring steps too): a parity
             # wait on a slot is only sound within one phase of the barrier, and this tile's first step
@@ -158,25 +147,23 @@ if gluon is not None:
                 barrier()  # this warpgroup's warps, before the one arrival
                 mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
                 count += 1
-            if EARLY_TURN:  # every warp past the last step's barrier: all this tile's MMAs issued
-                mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
             acc = warpgroup_mma_wait(0, deps=[acc])
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            if not EARLY_TURN:
-                mbarrier.arrive(turn_bars.index(1 - C))
-            if SHARED_PRE:  # the buffer once the other consumer's epilogue of the tile before is done
-                mbarrier.wait(pre_turn.index(C), ((i // 2) & 1) ^ (1 - C))
-                mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
-                tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
-                if SWIGLU:
-                    tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
+            mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
+            # the pre-activation's buffer once the other consumer's epilogue of the tile before is done
+            # with it (consumer 0's first tile waits for nothing), its load under the other's MMAs
+            mbarrier.wait(pre_turn.index(C), ((i // 2) & 1) ^ (1 - C))
+            mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
+            tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
+            if SWIGLU:
+                tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             mbarrier.wait(pre_bar, (i // 2) & 1)
-            # the epilogue in two column halves, one after the other (registers: the whole tile's
-            # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's halves
-            # are its own registers, the pre-activation's halves slices of the buffers; each half's
+            # the epilogue in eighths of the columns, one after the other (registers: the whole tile's
+            # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's parts
+            # are its own registers, the pre-activation's parts slices of the buffers; each part's
             # dpre goes back over the slices it was read from (the same layout: each thread writes
-            # what it read), which also keeps the second half's loads behind the first half's stores
+            # what it read), which also keeps the next part's loads behind this part's stores
             a0, a1 = acc.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute((0, 2, 1)).split()
             b0, b1 = a0.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
             b2, b3 = a1.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
@@ -204,7 +191,7 @@ if gluon is not None:
                                       SWIGLU, HAS_SCALE, p_layout)
             gl.store(dscale_ptr + rows.to(gl.int64) * num_slots + n0 // BLOCK_N,
                      gl.convert_layout(row_sum, rows.type.layout), mask=rows < row_end)
-            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
+            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA
                 fence_async_shared()
                 tma_store(pre_desc, [row0, n0], h_smem)
                 if SWIGLU:
@@ -217,34 +204,30 @@ if gluon is not None:
                 if SWIGLU:
                     store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
                                 BLOCK_N, store_layout)
-            if SHARED_PRE:
-                tma.store_wait(0)  # the stores have read the buffer
-                fence_async_shared()  # this consumer's writes of it before the other's TMA load
-                barrier()  # and each thread's reads
-                mbarrier.arrive(pre_turn.index(1 - C))
-        tma.store_wait(0)
+            tma.store_wait(0)  # the stores have read the buffer
+            fence_async_shared()  # this consumer's writes of it before the other's TMA load
+            barrier()  # and each thread's reads
+            mbarrier.arrive(pre_turn.index(1 - C))
 
     @gluon.jit
     def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                     tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
                     SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, EARLY_TURN: gl.constexpr,
-                    SHARED_PRE: gl.constexpr):
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         C: gl.constexpr = 0
         _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                   tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, EARLY_TURN, SHARED_PRE)
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
 
     @gluon.jit
     def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                     tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
                     SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, EARLY_TURN: gl.constexpr,
-                    SHARED_PRE: gl.constexpr):
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         C: gl.constexpr = 1
         _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
                   tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
-                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, EARLY_TURN, SHARED_PRE)
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
 
     @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
@@ -252,15 +235,13 @@ if gluon is not None:
         num_m_ptr, K, N, stride_am, stride_pm, num_slots,
         SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_TURN: gl.constexpr,
-        SHARED_PRE: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
-        # each consumer's pre-activation blocks (swiglu: gate and up), 2 x 2 x 32 KB
-        NUM_PRE_BUF: gl.constexpr = (1 if SHARED_PRE else 2) * (2 if SWIGLU else 1)
-        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [NUM_PRE_BUF] + pre_desc.block_type.shape,
+        # the pre-activation's blocks (swiglu: gate and up), the consumers' epilogues' in turn
+        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [2 if SWIGLU else 1] + pre_desc.block_type.shape,
                                              pre_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -279,12 +260,10 @@ if gluon is not None:
         gl.warp_specialize([  # the two consumers' arguments written out: Triton 3.6 takes no tuple name here
             (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                            tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
-                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF,
-                           EARLY_TURN, SHARED_PRE)),
+                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
             (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                            tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
-                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF,
-                           EARLY_TURN, SHARED_PRE)),
+                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
             (_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
                          a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
                          NUM_BUF, PRODUCER_WARPS)),
@@ -295,7 +274,7 @@ def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, sca
     """Whether ``grouped_gemm_dact`` with these arguments runs here: bf16 a, w and pre, w the
     transposed view of a contiguous [E, N, K] tensor (the backward's w2ᵀ), K a multiple of 64,
     N of 128, pre's rows 16-byte aligned and contiguous, an fp32 ``scale_S``; on an sm_90 GPU,
-    Gluon available, the switches on (MEGATRON_MOE_GLUON_GEMM, and MEGATRON_MOE_GLUON_DACT=1)."""
+    Gluon available, neither MEGATRON_MOE_GLUON_GEMM nor MEGATRON_MOE_GLUON_DACT 0."""
     if not (switches.gluon_gemm() and switches.gluon_dact() and available()) or activation not in ("gelu", "swiglu"):
         return False
     if any(t.dtype != torch.bfloat16 for t in (a_MK, w_EKN, pre_SX)):
@@ -339,8 +318,8 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
             scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
             dpre.stride(0), num_slots),
            dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF[activation] if SHARED_PRE else 3,
-                PRODUCER_WARPS=PRODUCER_WARPS, EARLY_TURN=EARLY_TURN, SHARED_PRE=SHARED_PRE,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF[activation],
+                PRODUCER_WARPS=PRODUCER_WARPS,
                 PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
                 maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
     return dpre, dscale_part.sum(1)

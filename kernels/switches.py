@@ -36,6 +36,10 @@
 |                         | kernels/gluon_gemm.py's                   |                                               |
 |                         | kernels on sm_90 where they apply         |                                               |
 |                         | (``supported``)                           |                                               |
+| MEGATRON_MOE_GLUON_DACT | the activation's backward GEMM (bf16,    | 0: the Triton kernel (its dgelu / dswiglu     |
+|                         | sm_90) runs kernels/gluon_dact.py's       | epilogue)                                     |
+|                         | ping-pong kernel where it applies         |                                               |
+|                         | (``supported``)                           |                                               |
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
 |                         | a key call the compiled kernel directly   |                                               |
 |                         | (kernels/launcher.py)                     |                                               |
@@ -176,9 +180,9 @@ def gluon_gemm() -> bool:
 
 
 def gluon_dact() -> bool:
-    """MEGATRON_MOE_GLUON_DACT == "1" (work in progress, off by default): the activation's backward
-    GEMM runs kernels/gluon_dact.py's ping-pong kernel where it takes the call."""
-    return getenv("MEGATRON_MOE_GLUON_DACT", "0") == "1"
+    """MEGATRON_MOE_GLUON_DACT != "0": the activation's backward GEMM runs kernels/gluon_dact.py's
+    ping-pong kernel where it takes the call."""
+    return getenv("MEGATRON_MOE_GLUON_DACT", "1") != "0"
 
 
 FAST_LAUNCH = "MEGATRON_MOE_FAST_LAUNCH"

@@ -166,7 +166,7 @@ def scenarios():
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
 
-    def dact_gluon():  # kernels/gluon_dact.py (its switch on): swiglu and gelu, dy gathered, w2ᵀ
+    def dact_gluon():  # kernels/gluon_dact.py: swiglu and gelu, dy gathered, w2ᵀ
         os.environ["MEGATRON_MOE_GLUON_DACT"] = "1"
         try:
             dy, w2 = torch.randn(40, 128, dtype=bf16), torch.randn(3, 256, 128, dtype=bf16)

@@ -1,5 +1,5 @@
-"""The ping-pong Gluon kernel of the activation's backward (kernels/gluon_dact.py, work in progress):
-which calls it takes (CPU), and on an sm_90 GPU its results against float64 (a loop over the rows).
+"""The ping-pong Gluon kernel of the activation's backward (kernels/gluon_dact.py): which calls it
+takes (CPU), and on an sm_90 GPU its results against float64 (a loop over the rows).
 
     pytest tests/kernels/test_gluon_dact.py          # CPU: what supported() takes
     pytest tests/kernels/test_gluon_dact.py -m gpu   # sm_90: the kernel against the reference
@@ -29,8 +29,8 @@ def _offsets(counts, device="cpu"):
 def as_if_sm90(monkeypatch):
     monkeypatch.setattr(GD, "on_sm90", lambda t: True)
     monkeypatch.setattr(GD, "available", lambda: True)
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_DACT", "1")
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM", raising=False)  # both on by default
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_DACT", raising=False)
 
 
 def _operands(activation="swiglu", S=300, K=192, N=256, E=3, device="cpu"):
@@ -51,15 +51,15 @@ def test_supported_takes(as_if_sm90, activation):
     assert GD.supported(torch.randn(300, 192).to(bf16), *args[1:])  # sorted rows, no scale
 
 
-@pytest.mark.parametrize("case", ["switch off", "its own switch unset (off by default)", "fp32", "contiguous w",
+@pytest.mark.parametrize("case", ["switch off", "its own switch off", "fp32", "contiguous w",
                                   "N not a multiple of 128", "K not a multiple of 64", "pre of another width",
                                   "bf16 scale", "unknown activation", "no rows"])
 def test_supported_refuses(as_if_sm90, monkeypatch, case):
     (a, w, offsets, pre, act), kw = _operands()
     if case == "switch off":
         monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "0")
-    elif case == "its own switch unset (off by default)":
-        monkeypatch.delenv("MEGATRON_MOE_GLUON_DACT")
+    elif case == "its own switch off":
+        monkeypatch.setenv("MEGATRON_MOE_GLUON_DACT", "0")
     elif case == "fp32":
         a, w, pre = a.float(), w.float(), pre.float()
     elif case == "contiguous w":
@@ -112,14 +112,19 @@ def _on_gpu_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GD.available()
 
 
+# every case with dy's rows gathered and scaled (the layer's calls); two with sorted rows, unscaled
+GPU_CALLS = ([(case, act, True) for case in CASES for act in ("swiglu", "gelu")]
+             + [(case, act, False) for case in ("rows not a multiple of 128, short and long experts",
+                                                 "long K, several tiles a program") for act in ("swiglu", "gelu")])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_pingpong_dact_matches_float64_reference(case, activation, monkeypatch):
+@pytest.mark.parametrize("case, activation, gathered", GPU_CALLS)
+def test_pingpong_dact_matches_float64_reference(case, activation, gathered, monkeypatch):
     """g = dy[t(s)] @ w2[e]ᵀ, dpre = scale(s)·g·act'(pre) over pre, dscale = Σ_n g·act(pre), in float64;
     in place and not; the same bits as a second call."""
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_DACT", "1")
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM", raising=False)  # both on by default
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_DACT", raising=False)
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
     K, N, counts = CASES[case]
@@ -127,11 +132,12 @@ def test_pingpong_dact_matches_float64_reference(case, activation, monkeypatch):
     offsets = _offsets(counts, "cuda")
     S, E = sum(counts), len(counts)
     X = 2 * N if activation == "swiglu" else N
-    dy = torch.randn(40, K, generator=gen).to(bf16).cuda()
+    T = 40 if gathered else S
+    dy = torch.randn(T, K, generator=gen).to(bf16).cuda()
     w2 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).to(bf16).cuda()
     pre = torch.randn(S, X, generator=gen).to(bf16).cuda()
-    token = torch.randint(0, 40, (S,), generator=gen).to(torch.int32).cuda()
-    scale = torch.rand(S, generator=gen).cuda()
+    token = torch.randint(0, T, (S,), generator=gen).to(torch.int32).cuda() if gathered else None
+    scale = torch.rand(S, generator=gen).cuda() if gathered else None
     args = (dy, w2.transpose(1, 2), offsets, pre, activation)
     assert GD.supported(*args, gather_S=token, scale_S=scale), "the kernel must take this call"
     pre_in = pre.clone()
@@ -139,7 +145,8 @@ def test_pingpong_dact_matches_float64_reference(case, activation, monkeypatch):
                                                  inplace=True)
     torch.cuda.synchronize()
     assert dpre.data_ptr() == pre_in.data_ptr() and dpre.dtype == bf16 and dscale.dtype == torch.float32
-    tok, bounds, w64 = token.cpu().long(), offsets.cpu().tolist(), w2.double().cpu()
+    tok = token.cpu().long() if gathered else torch.arange(S)
+    bounds, w64 = offsets.cpu().tolist(), w2.double().cpu()
     g = torch.cat([dy.double().cpu()[tok[lo:hi]] @ w64[e].t() for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
     h = pre.double().cpu()
     if activation == "gelu":
@@ -148,7 +155,8 @@ def test_pingpong_dact_matches_float64_reference(case, activation, monkeypatch):
     else:
         act, dgate, dup = f64.swiglu_and_grads(*h.chunk(2, dim=1))
         want = torch.cat([g * dgate, g * dup], 1)
-    want = want * scale.double().cpu()[:, None]
+    if gathered:
+        want = want * scale.double().cpu()[:, None]
     # bf16's rounding of each value, the hardware tanh's 2^-11 and the fp32 sums' order
     err = (dpre.cpu().double() - want).abs()
     bound = want.abs() * 2.0 ** -7 + 2e-3 * want.abs().max()
