@@ -1,9 +1,10 @@
 """The Gluon kernels at the layer's shapes, beside our Triton kernels and CUTLASS's grouped GEMM
 (``torch._grouped_mm``, over rows already sorted: no gather, no epilogue), on one sm_90 GPU:
-the weight gradient (kernels/gluon_wgrad.py) and the row-grouped GEMM's up and down projections
-(kernels/gluon_gemm.py).
+the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down projections
+(kernels/gluon_gemm.py) and the activation's backward GEMM (kernels/gluon_dact.py).
 
     python benchmarks/bench_gluon.py                       # the table
+    python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, gemm, dact)
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
@@ -11,8 +12,11 @@ equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 
 (gather on b). Up projections: pre[s] = x[t(s)] @ w1[e] with swiglu times the router weight in
 the epilogue (the tokens t(s) in a random order). Down projections: y[s] = wact[s] @ w2[e],
 sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted rows (w1's storage read transposed).
-(A Gluon kernel of the activation's backward, measured here on 2026-12-02 and slower than the
-Triton kernel, is in commit 0023104.)
+The activation's backward: g[s] = dy[t(s)] @ w2[e]ᵀ, then dpre = scale·g·act'(pre) written over pre
+and Σ g·act(pre) per row (the tokens t(s) random, each tile's pre read and dpre written: CUTLASS's
+column is the plain product over rows already gathered, without that epilogue). (A Gluon kernel of
+one tile at a time, measured here on 2026-12-02 and slower than the Triton kernel, is in commit
+0023104; the ping-pong kernel now in kernels/gluon_dact.py replaced it.)
 Median of ``triton.testing.do_bench``; TFLOP/s = 2 S K N / time. Correctness: tests/kernels/test_gluon_*.py
 (run them first: ``pytest tests/kernels/test_gluon_wgrad.py tests/kernels/test_gluon_gemm.py -m gpu``).
 """
@@ -41,20 +45,25 @@ GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none
     "sonic-1536 dx": (262144, 128, 512, 1536, 0, "t"), "sonic-4096 dx": (131072, 64, 2048, 4096, 0, "t"),
     "fine-64e dx": (65536, 64, 1024, 2048, 0, "t"),
 }
+DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, activation): bench_layer's configs
+    "sonic-1536": (262144, 128, 1536, 256, 32768, "swiglu"), "qwen3": (131072, 128, 2048, 768, 16384, "swiglu"),
+    "olmoe": (131072, 64, 2048, 1024, 16384, "swiglu"), "sonic-4096": (131072, 64, 4096, 1024, 32768, "swiglu"),
+    "fine-64e-top8": (65536, 64, 2048, 1024, 8192, "gelu"), "paper-moe-m": (16384, 64, 1024, 4096, 16384, "gelu"),
+}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="wgrad or gemm (default: both)")
+    ap.add_argument("--only", help="wgrad, gemm or dact, or a comma list (default: all three)")
     args = ap.parse_args(argv)
-    kinds = set((args.only or "wgrad,gemm").split(","))
+    kinds = set((args.only or "wgrad,gemm,dact").split(","))
 
     import torch
     import triton.testing
 
-    from megatron_moe.kernels import gluon_gemm, gluon_wgrad
-    from megatron_moe.kernels.grouped import grouped_gemm_triton, grouped_wgrad_triton
+    from megatron_moe.kernels import gluon_dact, gluon_gemm, gluon_wgrad
+    from megatron_moe.kernels.grouped import grouped_gemm_dact_triton, grouped_gemm_triton, grouped_wgrad_triton
 
     device = torch.device("cuda")
     rows = []
@@ -101,6 +110,26 @@ def main(argv=None) -> None:
                          tflops=tflops))
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
+    for name, (S, E, K, N, T, act) in DACT_SHAPES.items() if "dact" in kinds else ():
+        offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
+        dy = torch.randn(T, K, device=device, dtype=torch.bfloat16)
+        w = (torch.randn(E, N, K, device=device) / K ** 0.5).to(torch.bfloat16).transpose(1, 2)  # w2ᵀ's view
+        pre = torch.randn(S, 2 * N if act == "swiglu" else N, device=device, dtype=torch.bfloat16)
+        kw = dict(gather_S=torch.randint(0, T, (S,), device=device, dtype=torch.int32),
+                  scale_S=torch.rand(S, device=device))
+        assert gluon_dact.supported(dy, w, offsets, pre, act, **kw), f"{name}: the Gluon kernel does not take it"
+        dy_sorted = dy[kw["gather_S"]]
+        ms = {  # in place, as the layer's backward calls it (pre's values change from call to call)
+            "gluon": triton.testing.do_bench(lambda: gluon_dact.grouped_gemm_dact_pingpong(dy, w, offsets, pre, act,
+                                                                                            inplace=True, **kw)),
+            "triton": triton.testing.do_bench(lambda: grouped_gemm_dact_triton(dy, w, offsets, pre, act, inplace=True,
+                                                                               **kw)),
+            "cutlass": triton.testing.do_bench(lambda: torch._grouped_mm(dy_sorted, w, offs=offsets[1:])),
+        }
+        tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
+        rows.append(dict(kind="dact", shape=name, rows=S, experts=E, K=K, N=N, activation=act, ms=ms, tflops=tflops))
+        print(f"{name + ' dact':<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} "
+              f"{tflops['gluon']:11.0f} {tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
