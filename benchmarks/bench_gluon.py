@@ -49,6 +49,7 @@ DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, acti
     "sonic-1536": (262144, 128, 1536, 256, 32768, "swiglu"), "qwen3": (131072, 128, 2048, 768, 16384, "swiglu"),
     "olmoe": (131072, 64, 2048, 1024, 16384, "swiglu"), "sonic-4096": (131072, 64, 4096, 1024, 32768, "swiglu"),
     "fine-64e-top8": (65536, 64, 2048, 1024, 8192, "gelu"), "paper-moe-m": (16384, 64, 1024, 4096, 16384, "gelu"),
+    "dmoe-small": (32768, 64, 768, 3072, 32768, "gelu"),  # configs/dmoe-small.yaml at micro-batch 32, top-1
 }
 
 
