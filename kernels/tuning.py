@@ -160,9 +160,11 @@ def remember(kernel, launch_key, device: torch.device, cfg: triton.Config, tuned
     if tuned_s is not None and os.environ.get("RANK", "0") == "0":
         chosen = " ".join(f"{k}={v}" for k, v in _config_dict(cfg).items() if v is not None)
         timed = getattr(kernel, "configs_timings", None)  # the autotuner's last timings: what its prune left
-        count = f"{len(timed)} of {len(kernel.configs)}" if timed else f"{len(kernel.configs)}"
+        # without its timings (an autotuner that keeps none) how many the prune left is not known
+        count = f"{len(timed)} of {len(kernel.configs)} candidates timed" if timed else \
+            f"of {len(kernel.configs)} candidates"
         print(f"megatron-moe: tuned {kernel.fn.__name__}{f' {label}' if label else ''} in {tuned_s:.1f} s "
-              f"({count} candidates timed): {chosen}", file=sys.stderr, flush=True)
+              f"({count}): {chosen}", file=sys.stderr, flush=True)
     path = cache_file(device)
     if path is None:
         return
