@@ -12,8 +12,8 @@ never).
 
 Why (docs/performance.md, "The ping-pong kernel of the activation's backward"): the Triton kernel's
 epilogue (the pre-activation's read and dpre's write, 0.5-0.8 GB at the SwiGLU shapes) never overlaps
-its MMAs. Here it does, and this kernel ran 1.07-1.23x the Triton one at sonic-1536 / qwen3 / olmoe
-and paper-moe-m, 0.99-1.02x at sonic-4096 and fine-64e-top8 (H200, 2026-12-03).
+its MMAs. Here it does: 1.00-1.30x the Triton kernel at seven shapes, sonic-4096 level, sonic-1536
+1.30x (``benchmarks/bench_gluon.py --only dact``, H200, 2026-12-03).
 Each program (one per SM) walks its tiles i = pid, pid + grid, ...:
   producer (4 warps): per tile, per 64-deep step, the TMA load of w's [128, 64] block of its
       [E * N, K] storage and the cp.async of a's 128 gathered rows into a ring of NUM_BUF slots;
@@ -25,7 +25,7 @@ Each program (one per SM) walks its tiles i = pid, pid + grid, ...:
       pre-activation there by TMA, runs the epilogue in place and stores dpre from it (TMA; the
       expert's last, partial tile from registers, its rows masked), all under the other's MMAs. One
       buffer rather than one per consumer leaves room for a ring of 5 slots (swiglu; gelu 6), which
-      is where the speed came from: with two buffers and 3 slots the kernel was 0.90-1.10x Triton's.
+      is where the speed came from: with two buffers and 3 slots the kernel was 0.91-1.12x Triton's.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ if gluon is not None:
         pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
-                                BLOCK_N, load_layout)
+                               BLOCK_N, load_layout)
         count = 0
         for i in range(my_tiles):
             m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
@@ -74,7 +74,7 @@ if gluon is not None:
                 async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
                 count += 1
             rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
-                                    HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
+                                   HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
 
     @gluon.jit
     def _gelu_and_grad(h):
@@ -200,10 +200,10 @@ if gluon is not None:
                 barrier()
                 X = N * NUM_PRE
                 store_rows(pre_ptr, h_smem.load(store_layout), row0, row_end, n0, X, stride_pm, BLOCK_M, BLOCK_N,
-                            store_layout)
+                           store_layout)
                 if SWIGLU:
                     store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
-                                BLOCK_N, store_layout)
+                               BLOCK_N, store_layout)
             tma.store_wait(0)  # the stores have read the buffer
             fence_async_shared()  # this consumer's writes of it before the other's TMA load
             barrier()  # and each thread's reads
@@ -319,7 +319,6 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
             dpre.stride(0), num_slots),
            dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF[activation],
-                PRODUCER_WARPS=PRODUCER_WARPS,
-                PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
                 maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
     return dpre, dscale_part.sum(1)

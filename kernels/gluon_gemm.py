@@ -118,7 +118,7 @@ if gluon is not None:
 
     @gluon.jit
     def store_rows(ptr, vals, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
-                    layout: gl.constexpr):
+                   layout: gl.constexpr):
         """Masked stores from registers of a tile's rows before row_end and its columns before N."""
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, layout))
@@ -228,7 +228,7 @@ if gluon is not None:
 
     @gluon.jit
     def tile_rows(t, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER: gl.constexpr,
-                   BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, layout: gl.constexpr):
+                  BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, layout: gl.constexpr):
         """The rows of a that tile t (clamped into the list) reads, and which are its expert's."""
         m, _ = tile_mn(gl.maximum(gl.minimum(t, total - 1), 0), tiles_n, HALF_N)
         rows = gl.load(tile_row_ptr + m) + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -249,7 +249,7 @@ if gluon is not None:
         pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, F, HALF_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
-                                HALF_N, load_layout)
+                               HALF_N, load_layout)
         count = 0
         for i in range(my_tiles):
             m, n0 = tile_mn(pid + i * nprog, tiles_n, HALF_N)
@@ -267,7 +267,7 @@ if gluon is not None:
                 async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
                 count += 1
             rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
-                                    HAS_GATHER, BLOCK_M, HALF_N, load_layout)
+                                   HAS_GATHER, BLOCK_M, HALF_N, load_layout)
 
     @gluon.jit
     def tanh_approx(x):
@@ -343,11 +343,11 @@ if gluon is not None:
                 _stage(2, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), act_desc, row0, n0, out_smem)
             else:  # the expert's last tile: its rows only
                 store_rows(pre_ptr, gate, row0, row_end, n0, F, stride_pm, BLOCK_M, HALF_N,
-                            acc_layout)
+                           acc_layout)
                 store_rows(pre_ptr, up, row0, row_end, F + n0, 2 * F, stride_pm, BLOCK_M, HALF_N,
-                            acc_layout)
+                           acc_layout)
                 store_rows(act_ptr, _swiglu(gate, up, act_scale, HAS_ACT_SCALE), row0, row_end, n0, F,
-                            stride_am_out, BLOCK_M, HALF_N, acc_layout)
+                           stride_am_out, BLOCK_M, HALF_N, acc_layout)
         tma.store_wait(0)
 
     @gluon.jit
