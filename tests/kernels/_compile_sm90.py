@@ -166,18 +166,14 @@ def scenarios():
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
 
-    def dact_gluon():  # kernels/gluon_dact.py: swiglu and gelu, dy gathered, w2ᵀ
-        os.environ["MEGATRON_MOE_GLUON_DACT"] = "1"
-        try:
-            dy, w2 = torch.randn(40, 128, dtype=bf16), torch.randn(3, 256, 128, dtype=bf16)
-            offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
-            token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
-            for activation, width in (("swiglu", 512), ("gelu", 256)):
-                pre = torch.randn(256, width, dtype=bf16)
-                grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre, activation, gather_S=token, scale_S=weight)
-        finally:
-            del os.environ["MEGATRON_MOE_GLUON_DACT"]
-    yield "Gluon activation backward (ping-pong, switched on)", dact_gluon
+    def dact_gluon():  # kernels/gluon_dact.py (on by default, as the Gluon GEMMs): swiglu and gelu, dy gathered, w2ᵀ
+        dy, w2 = torch.randn(40, 128, dtype=bf16), torch.randn(3, 256, 128, dtype=bf16)
+        offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
+        token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
+        for activation, width in (("swiglu", 512), ("gelu", 256)):
+            pre = torch.randn(256, width, dtype=bf16)
+            grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre, activation, gather_S=token, scale_S=weight)
+    yield "Gluon activation backward (ping-pong)", dact_gluon
 
     def permutation():
         ids = torch.randint(0, 8, (50, 2))

@@ -4,7 +4,8 @@ takes (CPU), and on an sm_90 GPU its results against float64 (a loop over the ro
     pytest tests/kernels/test_gluon_dact.py          # CPU: what supported() takes
     pytest tests/kernels/test_gluon_dact.py -m gpu   # sm_90: the kernel against the reference
 
-Gluon does not run under Triton's interpreter; .devout-style compile checks for sm_90 run ptxas.
+Gluon does not run under Triton's interpreter; tests/kernels/test_compile_hopper.py compiles the kernel for
+sm_90 (ptxas) on the CPU.
 """
 import os
 import sys
