@@ -1,11 +1,10 @@
 """The Gluon kernels at the layer's shapes, beside our Triton kernels and CUTLASS's grouped GEMM
 (``torch._grouped_mm``, over rows already sorted: no gather, no epilogue), on one sm_90 GPU:
 the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down projections
-(kernels/gluon_gemm.py), the activation's backward GEMM (kernels/gluon_dact.py) and the ping-pong
-forward GEMM (kernels/gluon_pingpong.py: GELU up projections, plain products).
+(kernels/gluon_gemm.py) and the activation's backward GEMM (kernels/gluon_dact.py).
 
     python benchmarks/bench_gluon.py                       # the table
-    python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, gemm, dact, pingpong)
+    python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, gemm, dact)
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
@@ -18,9 +17,6 @@ and Σ g·act(pre) per row (the tokens t(s) random, each tile's pre read and dpr
 column is the plain product over rows already gathered, without that epilogue). (A Gluon kernel of
 one tile at a time, measured here on 2026-12-02 and slower than the Triton kernel, is in commit
 0023104; the ping-pong kernel now in kernels/gluon_dact.py replaced it.)
-The ping-pong rows: its column "gluon" is the ping-pong kernel (called directly, at every shape
-listed, also past the reductions grouped_gemm sends it), "coop" gluon_gemm's cooperative kernel
-where it takes the call (plain products), "triton" the Triton kernel (GELU: with its epilogue).
 Median of ``triton.testing.do_bench``; TFLOP/s = 2 S K N / time. Correctness: tests/kernels/test_gluon_*.py
 (run them first: ``pytest tests/kernels/test_gluon_wgrad.py tests/kernels/test_gluon_gemm.py -m gpu``).
 """
@@ -56,28 +52,18 @@ DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, acti
     "dmoe-small": (32768, 64, 768, 3072, 32768, "gelu"),  # configs/dmoe-small.yaml at micro-batch 32, top-1
 }
 
-PINGPONG_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation or "t": w1ᵀ)
-    # GELU up projections, the router weight as act_scale: the configs at their training micro-batch
-    "dmoe-xs up": (65536, 64, 512, 2048, 65536, "gelu"), "dmoe-small up": (65536, 64, 768, 3072, 65536, "gelu"),
-    "paper-moe-m up": (16384, 64, 1024, 4096, 16384, "gelu"), "fine-64e up": (65536, 64, 2048, 1024, 8192, "gelu"),
-    # plain products (top-k > 1: sorted rows), short reductions first
-    "sonic-1536 down": (262144, 128, 256, 1536, 0, None), "sonic-1536 dx": (262144, 128, 512, 1536, 0, "t"),
-    "qwen3 down": (131072, 128, 768, 2048, 0, None), "olmoe down": (131072, 64, 1024, 2048, 0, None),
-    "fine-64e down": (65536, 64, 1024, 2048, 0, None), "fine-64e dx": (65536, 64, 1024, 2048, 0, "t"),
-}
-
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="wgrad, gemm, dact or pingpong, or a comma list (default: all four)")
+    ap.add_argument("--only", help="wgrad, gemm or dact, or a comma list (default: all three)")
     args = ap.parse_args(argv)
-    kinds = set((args.only or "wgrad,gemm,dact,pingpong").split(","))
+    kinds = set((args.only or "wgrad,gemm,dact").split(","))
 
     import torch
     import triton.testing
 
-    from megatron_moe.kernels import gluon_dact, gluon_gemm, gluon_pingpong, gluon_wgrad
+    from megatron_moe.kernels import gluon_dact, gluon_gemm, gluon_wgrad
     from megatron_moe.kernels.grouped import grouped_gemm_dact_triton, grouped_gemm_triton, grouped_wgrad_triton
 
     device = torch.device("cuda")
@@ -145,31 +131,6 @@ def main(argv=None) -> None:
         rows.append(dict(kind="dact", shape=name, rows=S, experts=E, K=K, N=N, activation=act, ms=ms, tflops=tflops))
         print(f"{name + ' dact':<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} "
               f"{tflops['gluon']:11.0f} {tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
-    for name, (S, E, K, N, T, act) in PINGPONG_SHAPES.items() if "pingpong" in kinds else ():
-        offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
-        a = torch.randn(T or S, K, device=device, dtype=torch.bfloat16)
-        if act == "t":  # w1ᵀ: the view of a contiguous [E, N, K]
-            act, w = None, (torch.randn(E, N, K, device=device) / K ** 0.5).to(torch.bfloat16).transpose(1, 2)
-        else:
-            w = (torch.randn(E, K, N, device=device) / K ** 0.5).to(torch.bfloat16)
-        kw = {}
-        if T:
-            kw.update(gather_S=torch.randint(0, T, (S,), device=device, dtype=torch.int32))
-        if act:
-            kw.update(activation=act, act_scale_S=torch.rand(S, device=device))
-        a_sorted = a[kw["gather_S"]] if T else a
-        ms = {
-            "gluon": triton.testing.do_bench(lambda: gluon_pingpong.grouped_gemm_pingpong(a, w, offsets, **kw)),
-            "coop": (triton.testing.do_bench(lambda: gluon_gemm.grouped_gemm_gluon(a, w, offsets, **kw))
-                     if gluon_gemm.supported(a, w, offsets, **kw) else float("nan")),
-            "triton": triton.testing.do_bench(lambda: grouped_gemm_triton(a, w, offsets, **kw)),
-            "cutlass": triton.testing.do_bench(lambda: torch._grouped_mm(a_sorted, w, offs=offsets[1:])),
-        }
-        tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
-        rows.append(dict(kind="pingpong", shape=name, rows=S, experts=E, K=K, N=N, gather=bool(T), activation=act,
-                         ms=ms, tflops=tflops))
-        print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
-              f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}  coop {ms['coop']:.3f}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

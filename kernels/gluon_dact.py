@@ -33,8 +33,9 @@ import torch
 
 from . import switches
 from ._common import cdiv
-from ._gluon import (TensorDescriptor, available, barrier, fence_async_shared, gl, gluon, maxnreg, mbarrier, num_sms,
-                     on_sm90, rows_ok, tma, tma_load, tma_store)
+from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
+                     maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
+                     warpgroup_mma_wait)
 from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
@@ -43,8 +44,37 @@ NUM_BUF = {"swiglu": 5, "gelu": 6}  # the ring's slots: 32 KB each beside the pr
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
-    from .gluon_gemm import program_tiles, store_rows, tanh_approx, tile_mn
-    from .gluon_pingpong import pingpong_mma, pingpong_producer
+    from .gluon_gemm import program_tiles, store_rows, tanh_approx, tile_mn, tile_rows
+
+    @gluon.jit
+    def _producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                  a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                  PRODUCER_WARPS: gl.constexpr):
+        """Per tile, per step: wait for a free slot, the TMA load of w's [BLOCK_N, BLOCK_K] block and
+        the cp.async of a's gathered rows (the next tile's rows looked up a tile ahead)."""
+        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, N, BLOCK_N)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
+                               BLOCK_N, load_layout)
+        count = 0
+        for i in range(my_tiles):
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
+            e = gl.load(tile_e_ptr + m)
+            for kk in range(k_steps):
+                slot = count % NUM_BUF
+                mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
+                bar = w_ready.index(slot)
+                mbarrier.expect(bar, w_desc.block_type.nbytes)
+                tma_load(w_desc, [e * N + n0, kk * BLOCK_K], bar, w_bufs.index(slot))  # storage [E * N, K]
+                cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
+                ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :]
+                async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
+                async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
+                count += 1
+            rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
+                                   HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
 
     @gluon.jit
     def _gelu_and_grad(h):
@@ -92,6 +122,7 @@ if gluon is not None:
         h_smem = pre_smem.index(0)
         up_smem = pre_smem.index(NUM_PRE - 1)  # swiglu's up block (gelu: the same as h's)
         for i in range(C, my_tiles, 2):
+            count = i * k_steps  # the ring's steps are taken in tile order
             m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             row0 = gl.load(tile_row_ptr + m)
             row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
@@ -99,8 +130,27 @@ if gluon is not None:
             scale = rows  # unused without HAS_SCALE
             if HAS_SCALE:  # in flight during the MMAs
                 scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
-            acc = pingpong_mma(C, i, k_steps, turn_bars, a_bufs, w_bufs, a_ready, w_ready, empty_bars, True, BLOCK_M,
-                               BLOCK_N, NUM_BUF, acc_layout)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            # the other consumer's MMAs of the tile before are all done (its ring steps too): a parity
+            # wait on a slot is only sound within one phase of the barrier, and this tile's first step
+            # is k_steps past the other's first (consumer 0's first tile waits for nothing)
+            mbarrier.wait(turn_bars.index(C), ((i // 2) & 1) ^ (1 - C))
+            for kk in range(k_steps):
+                slot = count % NUM_BUF
+                phase = (count // NUM_BUF) & 1
+                mbarrier.wait(w_ready.index(slot), phase)
+                mbarrier.wait(a_ready.index(slot), phase)
+                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is done: its slot free
+                barrier()  # this warpgroup's warps, before the one arrival
+                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
+                count += 1
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            barrier()
+            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
+            mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
             # the pre-activation's buffer once the other consumer's epilogue of the tile before is done
             # with it (consumer 0's first tile waits for nothing), its load under the other's MMAs
             mbarrier.wait(pre_turn.index(C), ((i // 2) & 1) ^ (1 - C))
@@ -160,6 +210,26 @@ if gluon is not None:
             mbarrier.arrive(pre_turn.index(1 - C))
 
     @gluon.jit
+    def _consumer_0(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
+                    tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                    SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        C: gl.constexpr = 0
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
+                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+
+    @gluon.jit
+    def _consumer_1(pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
+                    tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                    SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        C: gl.constexpr = 1
+        _consumer(C, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr, tile_row_ptr,
+                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm, num_slots,
+                  SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)
+
+    @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
         a_ptr, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
         num_m_ptr, K, N, stride_am, stride_pm, num_slots,
@@ -187,18 +257,16 @@ if gluon is not None:
             mbarrier.init(pre_bars.index(i), count=1)
             mbarrier.init(turn_bars.index(i), count=1)
             mbarrier.init(pre_turn.index(i), count=1)
-        gl.warp_specialize([
-            (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF)),
-            (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF)),
-            (pingpong_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
-                                 a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, True,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
+        gl.warp_specialize([  # the two consumers' arguments written out: Triton 3.6 takes no tuple name here
+            (_consumer_0, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
+                           tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
+                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            (_consumer_1, (pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
+                           tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
+                           N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
+            (_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                         a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF, PRODUCER_WARPS)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 

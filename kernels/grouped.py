@@ -47,7 +47,7 @@ try:  # host-side TMA descriptors and their reduce-add (Triton 3.4+); without th
 except (ImportError, AttributeError):
     TensorDescriptor, _HAS_TMA_ADD = None, False
 
-from . import gluon_dact, gluon_gemm, gluon_pingpong, gluon_wgrad, launcher, switches, tuning
+from . import gluon_dact, gluon_gemm, gluon_wgrad, launcher, switches, tuning
 from ._common import (capability, cdiv, dot, expert_segments, input_precision, interpret_mode, next_power_of_2,
                       num_sms, use_triton)
 from .activation import (ACTIVATIONS, activate, activation_bwd_reference, activation_fwd, gelu_and_grad_reference,
@@ -944,14 +944,8 @@ def grouped_gemm(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scal
       activation 'swiglu': (pre [S, N] = [gate | up], act_scale(s) * silu(gate) * up [S, N/2])
     act_scale_S (fp32 [S], default 1) multiplies the activation only, after it is computed from
     the rounded pre-activation. On sm_90 a bf16 call without ``scale_S`` runs
-    kernels/gluon_pingpong.py's kernel (GELU, the plain product of short reductions) or
-    kernels/gluon_gemm.py's where they apply (MEGATRON_MOE_GLUON_GEMM=0: never).
+    kernels/gluon_gemm.py's kernels where they apply (MEGATRON_MOE_GLUON_GEMM=0: never).
     """
-    if gluon_pingpong.supported(a_MK, w_EKN, offsets_E1, gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S,
-                                activation=activation, act_scale_S=act_scale_S, out_dtype=out_dtype):
-        _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S)
-        return gluon_pingpong.grouped_gemm_pingpong(a_MK, w_EKN, offsets_E1, gather_S=gather_S, activation=activation,
-                                                    act_scale_S=act_scale_S)
     if gluon_gemm.supported(a_MK, w_EKN, offsets_E1, gather_S=gather_S, scatter_S=scatter_S, scale_S=scale_S,
                             activation=activation, act_scale_S=act_scale_S, out_dtype=out_dtype):
         _check_gemm(a_MK, w_EKN, offsets_E1, gather_S, scatter_S, scale_S, act_scale_S)

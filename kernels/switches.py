@@ -40,10 +40,6 @@
 |                         | sm_90) runs kernels/gluon_dact.py's       | epilogue)                                     |
 |                         | ping-pong kernel where it applies         |                                               |
 |                         | (``supported``)                           |                                               |
-| MEGATRON_MOE_GLUON_PINGPONG | the GELU up projection and the plain   | 0: gluon_gemm.py's kernels (plain) and the    |
-|                         | product at K <= 512 (bf16, sm_90) run     | Triton kernel (GELU)                          |
-|                         | kernels/gluon_pingpong.py's kernel where  |                                               |
-|                         | it applies (``supported``)                |                                               |
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
 |                         | a key call the compiled kernel directly   |                                               |
 |                         | (kernels/launcher.py)                     |                                               |
@@ -59,7 +55,7 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``gluon_pingpong``, ``fused_router``,
+each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``fused_router``,
 ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
@@ -181,12 +177,6 @@ def gluon_wgrad() -> bool:
 def gluon_gemm() -> bool:
     """MEGATRON_MOE_GLUON_GEMM != "0": a row-grouped GEMM kernels/gluon_gemm.py takes runs there."""
     return getenv("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
-
-
-def gluon_pingpong() -> bool:
-    """MEGATRON_MOE_GLUON_PINGPONG != "0": the GELU up projection and the plain row-grouped product
-    of short reductions run kernels/gluon_pingpong.py's ping-pong kernel where it takes the call."""
-    return getenv("MEGATRON_MOE_GLUON_PINGPONG", "1") != "0"
 
 
 def gluon_dact() -> bool:

@@ -73,9 +73,8 @@ def compile_only() -> collections.Counter:
         if getattr(mod, "__name__", "").startswith("megatron_moe") and getattr(mod, "use_triton", None) is original:
             mod.use_triton = always
     grouped.num_sms = lambda device: 132
-    # the Gluon kernels: "an sm_90 GPU" too
-    from megatron_moe.kernels import gluon_dact, gluon_gemm, gluon_pingpong, gluon_wgrad
-    for mod in (gluon_dact, gluon_gemm, gluon_pingpong, gluon_wgrad):
+    from megatron_moe.kernels import gluon_dact, gluon_gemm, gluon_wgrad  # the Gluon kernels: "an sm_90 GPU" too
+    for mod in (gluon_dact, gluon_gemm, gluon_wgrad):
         mod.on_sm90 = lambda t: True
         mod.num_sms = lambda device: 132
     # TMA descriptors on the CPU tensors: only the tensor-memory unit's layout rules
@@ -158,27 +157,14 @@ def scenarios():
     yield "Gluon weight gradient (gather on a, on b)", wgrad_gluon
 
     def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ) and swiglu (gathered or sorted rows)
-        from megatron_moe.kernels.switches import setting
-
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)
         offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
         token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
-        with setting("MEGATRON_MOE_GLUON_PINGPONG", False):  # which takes the plain product at this K
-            grouped_gemm(a, w, offsets)
-            grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
+        grouped_gemm(a, w, offsets)
         grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight)
         grouped_gemm(a, w, offsets, activation="swiglu")
+        grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
-
-    def gemm_pingpong():  # kernels/gluon_pingpong.py: gelu (gathered and scaled, or sorted rows), plain (w, wᵀ)
-        a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)
-        offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
-        token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
-        grouped_gemm(a, w, offsets, gather_S=token, activation="gelu", act_scale_S=weight)
-        grouped_gemm(a, w, offsets, activation="gelu")
-        grouped_gemm(a, w, offsets)
-        grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)
-    yield "Gluon row-grouped GEMM (ping-pong)", gemm_pingpong
 
     def dact_gluon():  # kernels/gluon_dact.py (on by default, as the Gluon GEMMs): swiglu and gelu, dy gathered, w2ᵀ
         dy, w2 = torch.randn(40, 128, dtype=bf16), torch.randn(3, 256, 128, dtype=bf16)

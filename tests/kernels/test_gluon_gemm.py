@@ -205,10 +205,8 @@ def _close(got, want, what):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypatch):
     """With three programs each walks several tiles of experts with different row counts (at
-    one per SM these shapes give every program one tile at most). The ping-pong kernel, which
-    grouped_gemm prefers for short reductions, is off: tests/kernels/test_gluon_pingpong.py has it."""
+    one per SM these shapes give every program one tile at most)."""
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_PINGPONG", "0")
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
     if programs == "three":
