@@ -62,7 +62,6 @@ from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
-DEFER_STORE = True  # the plain kernel stores each tile under the next tile's first MMA
 
 # ----------------------------------------------------------------------------------------------
 # The tile table (Triton: it runs under the interpreter too)
@@ -165,34 +164,16 @@ if gluon is not None:
                 count += 1
 
     @gluon.jit
-    def _store_tile(out_ptr, out_desc, out_smem, vals, row0, row_end, n0, N, stride_om, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """A tile whose rows are all its expert's by TMA, left running; an expert's last tile its
-        rows only, through the same buffer."""
-        if row0 + BLOCK_M <= row_end:
-            tma.store_wait(0)  # the last such store has read the buffer
-            out_smem.store(vals)
-            fence_async_shared()
-            tma_store(out_desc, [row0, n0], out_smem)
-        else:
-            _store_staged(out_ptr, vals, out_smem, row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N, NUM_WARPS)
-
-    @gluon.jit
     def _consumer(out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
                   ready_bars, empty_bars, K, N, stride_om, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  W_T: gl.constexpr, DEFER: gl.constexpr):
-        """The MMAs (one in flight; the slot of the step before freed) and each tile's store (DEFER:
-        the tile's rounded values held in registers and stored under the next tile's first MMA)."""
+                  W_T: gl.constexpr):
+        """The MMAs (one in flight; the slot of the step before freed) and each tile's store."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         count = 0
-        vals = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, acc_layout)  # DEFER: the tile before's
-        prev_row0 = 0
-        prev_end = 0
-        prev_n0 = 0
         for i in range(my_tiles):
             m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             row0 = gl.load(tile_row_ptr + m)
@@ -208,34 +189,25 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(1, deps=[acc])
                 barrier()  # both warpgroups', before the one arrival
                 mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
-                if DEFER:
-                    if kk == 0 and i > 0:  # the tile before's store, under this tile's first MMA
-                        _store_tile(out_ptr, out_desc, out_smem, vals, prev_row0, prev_end, prev_n0, N, stride_om,
-                                    BLOCK_M, BLOCK_N, NUM_WARPS)
                 count += 1
             acc = warpgroup_mma_wait(0, deps=[acc])
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            if DEFER:
-                vals = acc.to(gl.bfloat16)
-                prev_row0 = row0
-                prev_end = row_end
-                prev_n0 = n0
-            else:
-                _store_tile(out_ptr, out_desc, out_smem, acc.to(gl.bfloat16), row0, row_end, n0, N, stride_om,
-                            BLOCK_M, BLOCK_N, NUM_WARPS)
-        if DEFER:
-            if my_tiles > 0:
-                _store_tile(out_ptr, out_desc, out_smem, vals, prev_row0, prev_end, prev_n0, N, stride_om, BLOCK_M,
-                            BLOCK_N, NUM_WARPS)
+            vals = acc.to(gl.bfloat16)
+            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
+                tma.store_wait(0)  # the last such store has read the buffer
+                out_smem.store(vals)
+                fence_async_shared()
+                tma_store(out_desc, [row0, n0], out_smem)
+            else:  # the expert's last tile: its rows only
+                _store_staged(out_ptr, vals, out_smem, row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N, NUM_WARPS)
         tma.store_wait(0)
 
     @gluon.jit
     def _grouped_gemm_gluon_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr,
                                    tile_end_ptr, num_m_ptr, K, N, stride_om,
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                                   NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, W_T: gl.constexpr,
-                                   DEFER: gl.constexpr):
+                                   NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, W_T: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -247,7 +219,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
                          w_bufs, ready_bars, empty_bars, K, N, stride_om, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF, NUM_WARPS, W_T, DEFER)),
+                         NUM_BUF, NUM_WARPS, W_T)),
             (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
                          K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
         ], [1], [40])
@@ -511,7 +483,7 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
     launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),),
            (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0)),
            dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, W_T=w_t,
-                DEFER=DEFER_STORE, num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
+                num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
     return out
 
 
