@@ -33,9 +33,8 @@ import torch
 
 from . import switches
 from ._common import cdiv
-from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
-                     maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma,
-                     warpgroup_mma_wait)
+from ._gluon import (TensorDescriptor, available, barrier, fence_async_shared, gl, gluon, maxnreg, mbarrier, num_sms,
+                     on_sm90, rows_ok, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait)
 from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
@@ -44,37 +43,7 @@ NUM_BUF = {"swiglu": 5, "gelu": 6}  # the ring's slots: 32 KB each beside the pr
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
-    from .gluon_gemm import program_tiles, store_rows, tanh_approx, tile_mn, tile_rows
-
-    @gluon.jit
-    def _producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
-                  a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                  PRODUCER_WARPS: gl.constexpr):
-        """Per tile, per step: wait for a free slot, the TMA load of w's [BLOCK_N, BLOCK_K] block and
-        the cp.async of a's gathered rows (the next tile's rows looked up a tile ahead)."""
-        load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
-                               BLOCK_N, load_layout)
-        count = 0
-        for i in range(my_tiles):
-            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
-            e = gl.load(tile_e_ptr + m)
-            for kk in range(k_steps):
-                slot = count % NUM_BUF
-                mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
-                bar = w_ready.index(slot)
-                mbarrier.expect(bar, w_desc.block_type.nbytes)
-                tma_load(w_desc, [e * N + n0, kk * BLOCK_K], bar, w_bufs.index(slot))  # storage [E * N, K]
-                cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
-                ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :]
-                async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
-                async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
-                count += 1
-            rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
-                                   HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
+    from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_mn
 
     @gluon.jit
     def _gelu_and_grad(h):
@@ -246,9 +215,9 @@ if gluon is not None:
                          scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
                          empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
                          NUM_BUF)),
-            (_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
-                         a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF, PRODUCER_WARPS)),
+            (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
+                                 a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -238,36 +238,43 @@ if gluon is not None:
         return rows, mask
 
     @gluon.jit
-    def _swiglu_producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
-                         w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER: gl.constexpr,
-                         BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                         PRODUCER_WARPS: gl.constexpr):
-        """Per tile, per step of BLOCK_K: wait for a free slot, the TMA loads of w's gate and up
-        column blocks and the cp.async of a's rows (the next tile's rows loaded a tile ahead)."""
+    def gathered_producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                          a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER: gl.constexpr,
+                          GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+        """Per tile of BLOCK_N columns, per step of BLOCK_K: wait for a free slot, the TMA loads of w's
+        blocks and the cp.async of a's rows (gathered, or the tile's own; the next tile's rows looked
+        up a tile ahead). GATE_UP (the swiglu kernel): w [E, K, 2N], the gate's and the up
+        projection's [BLOCK_K, BLOCK_N] blocks, N apart, into slots 2·slot and 2·slot + 1; else
+        (gluon_dact.py) a [BLOCK_N, BLOCK_K] block of the [E * N, K] storage of w's transposed view."""
         # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
         load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, F, HALF_N)
+        pid, nprog, tiles_n, my_tiles, total = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
         rows, mask = tile_rows(pid, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr, HAS_GATHER, BLOCK_M,
-                               HALF_N, load_layout)
+                               BLOCK_N, load_layout)
         count = 0
         for i in range(my_tiles):
-            m, n0 = tile_mn(pid + i * nprog, tiles_n, HALF_N)
+            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
             e = gl.load(tile_e_ptr + m)
             for kk in range(k_steps):
                 slot = count % NUM_BUF
                 mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
                 bar = w_ready.index(slot)
-                mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
-                tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot))  # w as [E * K, 2F]
-                tma_load(w_desc, [e * K + kk * BLOCK_K, F + n0], bar, w_bufs.index(2 * slot + 1))
+                if GATE_UP:
+                    mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+                    tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot))  # w as [E * K, 2N]
+                    tma_load(w_desc, [e * K + kk * BLOCK_K, N + n0], bar, w_bufs.index(2 * slot + 1))
+                else:
+                    mbarrier.expect(bar, w_desc.block_type.nbytes)
+                    tma_load(w_desc, [e * N + n0, kk * BLOCK_K], bar, w_bufs.index(slot))  # storage [E * N, K]
                 cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
                 ptrs = a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :]
                 async_load(a_bufs.index(slot), ptrs, mask[:, None] & (cols < K)[None, :])
                 async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)  # when they land
                 count += 1
             rows, mask = tile_rows(pid + (i + 1) * nprog, total, tiles_n, tile_row_ptr, tile_end_ptr, gather_ptr,
-                                   HAS_GATHER, BLOCK_M, HALF_N, load_layout)
+                                   HAS_GATHER, BLOCK_M, BLOCK_N, load_layout)
 
     @gluon.jit
     def tanh_approx(x):
@@ -373,9 +380,9 @@ if gluon is not None:
                                 tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F,
                                 stride_pm, stride_am_out, HAS_ACT_SCALE, BLOCK_M, HALF_N, BLOCK_K, NUM_BUF,
                                 NUM_WARPS)),
-            (_swiglu_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
-                                w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER, BLOCK_M, HALF_N,
-                                BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
+            (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
+                                 a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, F, stride_am, HAS_GATHER, True,
+                                 BLOCK_M, HALF_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
