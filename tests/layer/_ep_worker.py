@@ -95,6 +95,7 @@ def main():
     torch.save(dict(y=y.detach(), dx=x_r.grad, local=local, reduced=reduced, ep_rank=groups.ep_rank,
                     tokens_per_expert=layer.tokens_per_expert),
                os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # every rank done with the group before any tears it down (a gloo teardown aborted once)
     dist.destroy_process_group()
 
 

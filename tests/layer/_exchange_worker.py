@@ -36,6 +36,7 @@ def main():
         (y * dy).sum().backward()
         results.append(dict(C=C, x=x.detach(), n_out=n_out, n_in=n_in, y=y.detach(), dy=dy, dx=x.grad))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # every rank done with the group before any tears it down (a gloo teardown aborted once)
     dist.destroy_process_group()
 
 

@@ -135,6 +135,7 @@ def main():
                for n, p in model.named_parameters()},
         grad_norm_1=grad_norm_1(model), shards=shards,
     ), os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # every rank done with the group before any tears it down (a gloo teardown aborted once)
     dist.destroy_process_group()
 
 

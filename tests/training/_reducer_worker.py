@@ -62,6 +62,7 @@ def main():
     overlapped, buckets, started = grads(True, groups, rank)
     torch.save({"plain": plain, "overlap": overlapped, "buckets": buckets, "started": started},
                os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()  # every rank done with the group before any tears it down (a gloo teardown aborted once)
     dist.destroy_process_group()
 
 
