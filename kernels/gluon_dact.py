@@ -41,7 +41,6 @@ from .launcher import launch
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 NUM_BUF = {"swiglu": 5, "gelu": 6}  # the ring's slots: 32 KB each beside the pre-activation's 64 / 32 KB
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
-PRE_LOADER = True  # one more warp loads each tile's pre-activation as soon as the buffer is free
 
 if gluon is not None:
     from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_mn
@@ -79,7 +78,7 @@ if gluon is not None:
     def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                   tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N,
                   stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRE_LOADER: gl.constexpr):
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         """Consumer C's tiles (i % 2 == C of this program's): its turn at the ring (one MMA a step in
         flight), then its turn at the pre-activation's buffer, the epilogue there, dpre stored from it."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -123,12 +122,11 @@ if gluon is not None:
             mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
             # the pre-activation's buffer once the other consumer's epilogue of the tile before is done
             # with it (consumer 0's first tile waits for nothing), its load under the other's MMAs
-            if not PRE_LOADER:
-                mbarrier.wait(pre_turn.index(C), ((i // 2) & 1) ^ (1 - C))
-                mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
-                tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
-                if SWIGLU:
-                    tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
+            mbarrier.wait(pre_turn.index(C), ((i // 2) & 1) ^ (1 - C))
+            mbarrier.expect(pre_bar, NUM_PRE * pre_desc.block_type.nbytes)
+            tma_load(pre_desc, [row0, n0], pre_bar, h_smem)
+            if SWIGLU:
+                tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             mbarrier.wait(pre_bar, (i // 2) & 1)
             # the epilogue in eighths of the columns, one after the other (registers: the whole tile's
             # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's parts
@@ -178,27 +176,7 @@ if gluon is not None:
             tma.store_wait(0)  # the stores have read the buffer
             fence_async_shared()  # this consumer's writes of it before the other's TMA load
             barrier()  # and each thread's reads
-            if PRE_LOADER:
-                mbarrier.arrive(pre_turn.index(0))  # the buffer free: the loader's next load
-            else:
-                mbarrier.arrive(pre_turn.index(1 - C))
-
-    @gluon.jit
-    def _pre_loader(pre_desc, pre_smem, pre_bars, pre_turn, tile_row_ptr, num_m_ptr, N, SWIGLU: gl.constexpr,
-                    BLOCK_N: gl.constexpr):
-        """PRE_LOADER: one warp loads each tile's pre-activation into the shared buffer by TMA as soon
-        as the epilogue of the tile before has released it (under the consumer's MMAs)."""
-        NUM_PRE: gl.constexpr = 2 if SWIGLU else 1
-        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
-        for i in range(my_tiles):
-            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
-            row0 = gl.load(tile_row_ptr + m)
-            mbarrier.wait(pre_turn.index(0), (i & 1) ^ 1)  # tile i - 1's epilogue done (the first: free)
-            bar = pre_bars.index(i % 2)  # consumer i % 2's
-            mbarrier.expect(bar, NUM_PRE * pre_desc.block_type.nbytes)
-            tma_load(pre_desc, [row0, n0], bar, pre_smem.index(0))
-            if SWIGLU:
-                tma_load(pre_desc, [row0, N + n0], bar, pre_smem.index(1))
+            mbarrier.arrive(pre_turn.index(1 - C))
 
     @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
@@ -206,7 +184,7 @@ if gluon is not None:
         num_m_ptr, K, N, stride_am, stride_pm, num_slots,
         SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRE_LOADER: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
@@ -228,35 +206,19 @@ if gluon is not None:
             mbarrier.init(pre_bars.index(i), count=1)
             mbarrier.init(turn_bars.index(i), count=1)
             mbarrier.init(pre_turn.index(i), count=1)
-        if PRE_LOADER:
-            gl.warp_specialize([
-                (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NUM_BUF, PRE_LOADER)),
-                (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NUM_BUF, PRE_LOADER)),
-                (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
-                                     a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
-                (_pre_loader, (pre_desc, pre_smem, pre_bars, pre_turn, tile_row_ptr, num_m_ptr, N, SWIGLU, BLOCK_N)),
-            ], [4, PRODUCER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, 24])
-        else:
-            gl.warp_specialize([
-                (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NUM_BUF, PRE_LOADER)),
-                (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                             NUM_BUF, PRE_LOADER)),
-                (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
-                                     a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([  # one consumer function, its index C a constexpr argument
+            (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF)),
+            (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF)),
+            (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
+                                 a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None) -> bool:
@@ -308,7 +270,6 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
             dpre.stride(0), num_slots),
            dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF[activation],
-                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
-                PRE_LOADER=PRE_LOADER, num_warps=4,
-                maxnreg=maxnreg(4, 4 + PRODUCER_WARPS + PRE_LOADER)))
+                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
     return dpre, dscale_part.sum(1)
