@@ -43,7 +43,7 @@ NUM_BUF = {"swiglu": 5, "gelu": 6}  # the ring's slots: 32 KB each beside the pr
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
-    from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_mn
+    from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_head, tile_mn
 
     @gluon.jit
     def _gelu_and_grad(h):
@@ -93,12 +93,8 @@ if gluon is not None:
         for i in range(C, my_tiles, 2):
             count = i * k_steps  # the ring's steps are taken in tile order
             m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
-            row0 = gl.load(tile_row_ptr + m)
-            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            scale = rows  # unused without HAS_SCALE
-            if HAS_SCALE:  # in flight during the MMAs
-                scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
+            row0, row_end, rows, scale = tile_head(m, tile_row_ptr, tile_end_ptr, scale_ptr, HAS_SCALE, BLOCK_M,
+                                                   acc_layout)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             # the other consumer's MMAs of the tile before are all done (its ring steps too): a parity
             # wait on a slot is only sound within one phase of the barrier, and this tile's first step
@@ -142,22 +138,12 @@ if gluon is not None:
             c6, c7 = b3.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
             P: gl.constexpr = BLOCK_N // 8
             p_layout: gl.constexpr = c0.type.layout
-            row_sum = _epilogue_part(c0, h_smem.slice(0, P, dim=1), up_smem.slice(0, P, dim=1), scale, SWIGLU,
+            parts = (c0, c1, c2, c3, c4, c5, c6, c7)
+            row_sum = _epilogue_part(parts[0], h_smem.slice(0, P, dim=1), up_smem.slice(0, P, dim=1), scale, SWIGLU,
                                      HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c1, h_smem.slice(P, P, dim=1), up_smem.slice(P, P, dim=1), scale, SWIGLU,
-                                      HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c2, h_smem.slice(2 * P, P, dim=1), up_smem.slice(2 * P, P, dim=1), scale,
-                                      SWIGLU, HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c3, h_smem.slice(3 * P, P, dim=1), up_smem.slice(3 * P, P, dim=1), scale,
-                                      SWIGLU, HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c4, h_smem.slice(4 * P, P, dim=1), up_smem.slice(4 * P, P, dim=1), scale,
-                                      SWIGLU, HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c5, h_smem.slice(5 * P, P, dim=1), up_smem.slice(5 * P, P, dim=1), scale,
-                                      SWIGLU, HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c6, h_smem.slice(6 * P, P, dim=1), up_smem.slice(6 * P, P, dim=1), scale,
-                                      SWIGLU, HAS_SCALE, p_layout)
-            row_sum += _epilogue_part(c7, h_smem.slice(7 * P, P, dim=1), up_smem.slice(7 * P, P, dim=1), scale,
-                                      SWIGLU, HAS_SCALE, p_layout)
+            for j in gl.static_range(1, 8):
+                row_sum += _epilogue_part(parts[j], h_smem.slice(j * P, P, dim=1), up_smem.slice(j * P, P, dim=1),
+                                          scale, SWIGLU, HAS_SCALE, p_layout)
             gl.store(dscale_ptr + rows.to(gl.int64) * num_slots + n0 // BLOCK_N,
                      gl.convert_layout(row_sum, rows.type.layout), mask=rows < row_end)
             if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA

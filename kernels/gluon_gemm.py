@@ -117,6 +117,20 @@ if gluon is not None:
         return t // tiles_n, (t % tiles_n) * BLOCK_N
 
     @gluon.jit
+    def tile_head(m, tile_row_ptr, tile_end_ptr, scale_ptr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  acc_layout: gl.constexpr):
+        """Row tile m's first row, its expert's end (rows from it on are another's), its rows (in the
+        accumulator's row layout) and, with HAS_SCALE, their fp32 scales (loaded here, in flight
+        during the MMAs; without it the rows stand in, unused)."""
+        row0 = gl.load(tile_row_ptr + m)
+        row_end = gl.load(tile_end_ptr + m)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        scale = rows
+        if HAS_SCALE:
+            scale = gl.load(scale_ptr + rows, mask=rows < row_end, other=0.0)
+        return row0, row_end, rows, scale
+
+    @gluon.jit
     def store_rows(ptr, vals, row0, row_end, col0, N, stride_m, BLOCK_M: gl.constexpr, BLOCK_C: gl.constexpr,
                    layout: gl.constexpr):
         """Masked stores from registers of a tile's rows before row_end and its columns before N."""
@@ -316,12 +330,8 @@ if gluon is not None:
         count = 0
         for i in range(my_tiles):
             m, n0 = tile_mn(pid + i * nprog, tiles_n, HALF_N)
-            row0 = gl.load(tile_row_ptr + m)
-            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            act_scale = rows  # unused without HAS_ACT_SCALE
-            if HAS_ACT_SCALE:  # in flight during the MMAs
-                act_scale = gl.load(act_scale_ptr + rows, mask=rows < row_end, other=0.0)
+            row0, row_end, rows, act_scale = tile_head(m, tile_row_ptr, tile_end_ptr, act_scale_ptr, HAS_ACT_SCALE,
+                                                       BLOCK_M, acc_layout)
             acc_g = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
             acc_u = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
             for kk in range(k_steps):
