@@ -4,14 +4,18 @@ the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down
 (kernels/gluon_gemm.py) and the activation's backward GEMM (kernels/gluon_dact.py).
 
     python benchmarks/bench_gluon.py                       # the table
-    python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, gemm, dact)
+    python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, wgrad-fp32, gemm, dact)
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
-(gather on b). Up projections: pre[s] = x[t(s)] @ w1[e] with swiglu times the router weight in
-the epilogue (the tokens t(s) in a random order). Down projections: y[s] = wact[s] @ w2[e],
-sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted rows (w1's storage read transposed).
+(gather on b). ``wgrad-fp32``: the trainer's weight gradients at its models' shapes (micro-batch
+64), fp32, written into its master gradients (a step's first micro-batch) or added to them (the
+rest), against the Triton kernel's TMA reduce-add or load-add-store (its autotuner's choice), with
+the largest difference between the two kernels' results. Up projections: pre[s] = x[t(s)] @ w1[e]
+with swiglu times the router weight in the epilogue (the tokens t(s) in a random order). Down
+projections: y[s] = wact[s] @ w2[e], sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted
+rows (w1's storage read transposed).
 The activation's backward: g[s] = dy[t(s)] @ w2[e]ᵀ, then dpre = scale·g·act'(pre) written over pre
 and Σ g·act(pre) per row (the tokens t(s) random, each tile's pre read and dpre written: CUTLASS's
 column is the plain product over rows already gathered, without that epilogue). (A Gluon kernel of
@@ -30,6 +34,11 @@ WGRAD_SHAPES = {  # name: (rows S = tokens x top-k, experts E, K, N, the gathere
     "olmoe dw1": (131072, 64, 2048, 2048, "a"), "olmoe dw2": (131072, 64, 1024, 2048, "b"),
     "sonic-1536 dw2": (262144, 128, 256, 1536, "b"),
     "dmoe-small dw1": (32768, 64, 768, 3072, "a"), "dmoe-small dw2": (32768, 64, 3072, 768, "b"),
+}
+WGRAD_FP32_SHAPES = {  # the trainer's models at micro-batch 64 (65,536 rows, top-1), and an OLMoE-like one
+    "dmoe-xs dw1": (65536, 64, 512, 2048, "a"), "dmoe-xs dw2": (65536, 64, 2048, 512, "b"),
+    "dmoe-small dw1": (65536, 64, 768, 3072, "a"), "dmoe-small dw2": (65536, 64, 3072, 768, "b"),
+    "olmoe dw1": (131072, 64, 2048, 2048, "a"), "olmoe dw2": (131072, 64, 1024, 2048, "b"),
 }
 GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation)
     # (the top-1 down projection, scattered, (32768, 64, 3072, 768) at dmoe-small, measured 0.489 ms
@@ -56,9 +65,9 @@ DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, acti
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="wgrad, gemm or dact, or a comma list (default: all three)")
+    ap.add_argument("--only", help="wgrad, wgrad-fp32, gemm or dact, or a comma list (default: all four)")
     args = ap.parse_args(argv)
-    kinds = set((args.only or "wgrad,gemm,dact").split(","))
+    kinds = set((args.only or "wgrad,wgrad-fp32,gemm,dact").split(","))
 
     import torch
     import triton.testing
@@ -87,6 +96,33 @@ def main(argv=None) -> None:
         rows.append(dict(kind="wgrad", shape=name, rows=S, experts=E, K=K, N=N, gather=side, ms=ms, tflops=tflops))
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
+    for name, (S, E, K, N, side) in WGRAD_FP32_SHAPES.items() if "wgrad-fp32" in kinds else ():
+        counts = torch.full((E,), S // E, device=device)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        a = torch.randn(S, K, device=device, dtype=torch.bfloat16)
+        b = torch.randn(S, N, device=device, dtype=torch.bfloat16)
+        rows_S = torch.randperm(S, device=device).to(torch.int32)
+        kw = dict(gather_a_S=rows_S) if side == "a" else dict(gather_b_S=rows_S)
+        base = torch.randn(E, K, N, device=device)
+        for mode, accumulate in (("written", False), ("added", True)):
+            assert gluon_wgrad.supported(a, b, offsets, out=base, accumulate=accumulate, **kw), name
+            outs = {k: base.clone() for k in ("gluon", "triton")}
+            gluon_wgrad.grouped_wgrad_gluon(a, b, offsets, out=outs["gluon"], accumulate=accumulate, **kw)
+            grouped_wgrad_triton(a, b, offsets, out=outs["triton"], accumulate=accumulate, **kw)
+            diff = (outs["gluon"] - outs["triton"]).abs().max().item()
+            scale = outs["triton"].abs().max().item()
+            ms = {
+                "gluon": triton.testing.do_bench(lambda: gluon_wgrad.grouped_wgrad_gluon(
+                    a, b, offsets, out=outs["gluon"], accumulate=accumulate, **kw)),
+                "triton": triton.testing.do_bench(lambda: grouped_wgrad_triton(
+                    a, b, offsets, out=outs["triton"], accumulate=accumulate, **kw)),
+            }
+            tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
+            label = f"{name} {mode}"
+            rows.append(dict(kind="wgrad-fp32", shape=label, rows=S, experts=E, K=K, N=N, gather=side, ms=ms,
+                             tflops=tflops, max_diff=diff, max_abs=scale))
+            print(f"{label:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {'-':>11} {tflops['gluon']:11.0f} "
+                  f"{tflops['triton']:12.0f} {'-':>13}  max |gluon - triton| {diff:.2e} of {scale:.1e}", flush=True)
     for name, (S, E, K, N, T, act) in GEMM_SHAPES.items() if "gemm" in kinds else ():
         offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
         a = torch.randn(T or S, K, device=device, dtype=torch.bfloat16)

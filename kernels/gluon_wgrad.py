@@ -4,11 +4,16 @@ and persistent, its output tiles stored by the tensor-memory unit while the next
     dw_EKN = grouped_wgrad_gluon(x_TK, dpre_SN, offsets_E1, gather_a_S=token_S)   # dw1 of the layer
     dw_EKN = grouped_wgrad_gluon(wact_SK, dy_TN, offsets_E1, gather_b_S=token_S)  # dw2
 
-dw[e] = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)], bf16 in, fp32 sums, bf16 out: what
-kernels/grouped.py's ``grouped_wgrad`` computes without its scale, activation prologue or fp32
-accumulation. ``grouped_wgrad`` sends the calls this kernel takes here (:func:`supported`, and
-the switch ``MEGATRON_MOE_GLUON_WGRAD``, kernels/switches.py) and the rest to its Triton kernel;
-its plain-PyTorch ``grouped_wgrad_reference`` is the reference of both.
+    grouped_wgrad_gluon(x_TK, dpre_SN, offsets_E1, gather_a_S=token_S, out=master_grad_EKN,
+                        accumulate=True)                                    # the trainer's: out += dw1
+
+dw[e] = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)], bf16 in, fp32 sums; out bf16, or fp32 written or added
+into a given tensor (the trainer's master gradients: a step's first micro-batch writes them, the
+rest add): what kernels/grouped.py's ``grouped_wgrad`` computes without its scale or activation
+prologue. ``grouped_wgrad`` sends the calls this kernel takes here (:func:`supported`, and the
+switches ``MEGATRON_MOE_GLUON_WGRAD`` and ``MEGATRON_MOE_GLUON_WGRAD_FP32``, kernels/switches.py)
+and the rest to its Triton kernel; its plain-PyTorch ``grouped_wgrad_reference`` is the reference
+of both.
 
 One program per SM walks output tiles t = pid, pid + #SMs, ... (tile = expert, 128 rows of a's
 columns, 256 of b's). Two partitions share a ring of three shared-memory slots, each one block of
@@ -20,8 +25,11 @@ columns, 256 of b's). Two partitions share a ring of three shared-memory slots, 
       loads the next block's gather indices and the next tile's row range a step ahead.
   consumer (8 warps, two warpgroups of 64 tile rows): per block, wait for the slot, one
       asynchronous ``warpgroup_mma`` (one in flight), free the slot of the block before; per tile,
-      the sum into a shared-memory tile and out by a TMA store that runs on during the next
-      tile's MMAs (waited for only before the buffer is written again). A tile's steps run in a
+      bf16: the sum into a shared-memory tile and out by a TMA store that runs on during the next
+      tile's MMAs (waited for only before the buffer is written again); fp32: straight from the
+      registers, 8-byte stores or relaxed atomic adds (``red.global.add.v2.f32``: one per element
+      and tile, so out + dw rounded once, as TMA's reduce-add; PTX's fp32 atomic add flushes
+      subnormal results to zero), which no one waits for. A tile's steps run in a
       loop of their own: with the epilogue behind a branch in the same loop, ptxas waited for
       every MMA before the next (its note C7517; tests/kernels/test_compile_hopper.py checks for
       such notes).
@@ -159,10 +167,33 @@ if gluon is not None:
                                                HAS_GATHER_A, HAS_GATHER_B, BLOCK_S, load_layout)
 
     @gluon.jit
-    def _consumer(out_desc, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
+    def _store_fp32(out_ptr, acc, row0, col0, N, ADD: gl.constexpr, EVEN_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """The tile's fp32 sums from registers into out [E * K, N] at (row0, col0): written, or with
+        ADD added to what is there (one relaxed atomic add per element, so out + dw rounded once, as
+        TMA's reduce-add does). Neither waits: the next tile's MMAs start while they drain."""
+        rows = row0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        ptrs = out_ptr + (rows.to(gl.int64) * N)[:, None] + cols[None, :]
+        if EVEN_N:
+            if ADD:
+                gl.atomic_add(ptrs, acc, sem="relaxed")
+            else:
+                gl.store(ptrs, acc)
+        else:
+            mask = (cols < N)[None, :]
+            if ADD:
+                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+            else:
+                gl.store(ptrs, acc, mask=mask)
+
+    @gluon.jit
+    def _consumer(out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
+                  OUT_MODE: gl.constexpr, EVEN_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
                   NUM_WARPS: gl.constexpr):
-        """The MMAs and the tiles' stores."""
+        """The MMAs and the tiles' stores (OUT_MODE: 0 rounded to out's dtype through shared memory
+        and TMA, out a descriptor; 1 fp32 written, 2 fp32 added, out a pointer)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, seg_start, seg_end, nx_start, nx_end = _schedule(
@@ -189,22 +220,27 @@ if gluon is not None:
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
             e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
-            tma.store_wait(0)  # the last tile's store has read the buffer
-            out_smem.store(acc.to(out_desc.dtype))
-            fence_async_shared()
-            tma_store(out_desc, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
+            if OUT_MODE == 0:
+                tma.store_wait(0)  # the last tile's store has read the buffer
+                out_smem.store(acc.to(out.dtype))
+                fence_async_shared()
+                tma_store(out, [e * K + pk * BLOCK_K, pn * BLOCK_N], out_smem)
+            else:
+                _store_fp32(out, acc, e * K + pk * BLOCK_K, pn * BLOCK_N, N, OUT_MODE == 2, EVEN_N, BLOCK_K, BLOCK_N,
+                            acc_layout)
             c_i += 1
             seg_start = nx_start
             seg_end = nx_end
             e_after, _, _ = _tile_kn(gl.minimum(pid + (c_i + 1) * nprog, last_tile), tiles_e, tiles_n)
             nx_start, nx_end = _segment(e_after, offsets_ptr)
-        tma.store_wait(0)
+        if OUT_MODE == 0:
+            tma.store_wait(0)
 
     @gluon.jit
     def _grouped_wgrad_gluon_kernel(
-        a_ptr, b_ptr, out_desc, gather_a_ptr, gather_b_ptr, offsets_ptr,
+        a_ptr, b_ptr, out, gather_a_ptr, gather_b_ptr, offsets_ptr,
         E, K, N, stride_am, stride_bm,
-        HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr,
+        HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr, OUT_MODE: gl.constexpr,
         BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
         NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -212,15 +248,18 @@ if gluon is not None:
         b_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_S, BLOCK_N], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_S, BLOCK_K], a_smem)
         b_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_S, BLOCK_N], b_smem)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        if OUT_MODE == 0:
+            out_smem = gl.allocate_shared_memory(out.dtype, out.block_type.shape, out.layout)
+        else:
+            out_smem = out  # no shared tile: the fp32 sums leave from registers
         ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(ready_bars.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
             mbarrier.init(empty_bars.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (out_desc, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
-                         BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
+            (_consumer, (out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N, OUT_MODE,
+                         EVEN_N, BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
             (_producer, (a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars,
                          empty_bars, E, K, N, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, EVEN_N, BLOCK_K,
                          BLOCK_N, BLOCK_S, NUM_BUF, PRODUCER_WARPS)),
@@ -234,19 +273,32 @@ if gluon is not None:
 
 def supported(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, scale_S=None, a_activation=None,
               a_scale_S=None, out_dtype=None, out=None, accumulate=False) -> bool:
-    """Whether ``grouped_wgrad`` with these arguments runs here: a new bf16 gradient of bf16
-    operands (no scale, no activation prologue, no accumulation), K a multiple of 128 and N of 16,
-    on an sm_90 GPU, Gluon available, the switch on."""
+    """Whether ``grouped_wgrad`` with these arguments runs here: bf16 operands without scale or
+    activation prologue, K a multiple of 128 and N of 16, on an sm_90 GPU, Gluon available, the
+    switch on; the gradient a new bf16 or fp32 tensor, or written into or (``accumulate``) added
+    to a given contiguous fp32 ``out`` (the trainer's master gradients; ``MEGATRON_MOE_GLUON_WGRAD_FP32=0``
+    sends the fp32 gradients to the Triton kernel)."""
     if not (switches.gluon_wgrad() and available()):
         return False
-    if out is not None or accumulate or scale_S is not None or a_activation is not None or a_scale_S is not None:
+    if scale_S is not None or a_activation is not None or a_scale_S is not None:
         return False
     if a_MK.dim() != 2 or b_MN.dim() != 2 or offsets_E1.dim() != 1:  # grouped_wgrad's checks say what is wrong
         return False
-    if a_MK.dtype != torch.bfloat16 or b_MN.dtype != torch.bfloat16 or (out_dtype or a_MK.dtype) != torch.bfloat16:
+    if a_MK.dtype != torch.bfloat16 or b_MN.dtype != torch.bfloat16:
         return False
     K, N = a_MK.shape[1], b_MN.shape[1]
     if min(a_MK.shape[0], b_MN.shape[0], K, N) == 0 or K % BLOCK_K or N % 16 or offsets_E1.shape[0] < 2:
+        return False
+    dtype = out.dtype if out is not None else (out_dtype or a_MK.dtype)
+    if dtype == torch.float32:
+        if not switches.gluon_wgrad_fp32():
+            return False
+        if out is not None and (tuple(out.shape) != (offsets_E1.shape[0] - 1, K, N) or not out.is_contiguous()
+                                or out.device != a_MK.device):
+            return False  # grouped_wgrad's checks say what is wrong with a misshapen out
+        if accumulate and out is None:
+            return False  # grouped_wgrad's checks say what is wrong
+    elif dtype != torch.bfloat16 or out is not None or accumulate:
         return False
     return rows_ok(a_MK) and rows_ok(b_MN) and on_sm90(a_MK)
 
@@ -256,19 +308,26 @@ def _out_layout():
     return gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
 
 
-def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None):
-    """dw_EKN [E, K, N] bf16 = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)]; the arguments as
-    ``grouped_wgrad``'s, within what :func:`supported` takes (checked there, not here)."""
+def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, out_dtype=None, out=None,
+                        accumulate=False):
+    """dw_EKN [E, K, N] = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)]: a new bf16 (default) or fp32 tensor, or
+    written into fp32 ``out``, or with ``accumulate`` added to it (out += dw, rounded once); the
+    arguments as ``grouped_wgrad``'s, within what :func:`supported` takes (checked there, not here)."""
     E = offsets_E1.shape[0] - 1
     K, N = a_MK.shape[1], b_MN.shape[1]
-    out = torch.empty(E, K, N, device=a_MK.device, dtype=torch.bfloat16)
-    out_desc = TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # out as [E * K, N]
+    if out is None:
+        out = torch.empty(E, K, N, device=a_MK.device, dtype=out_dtype or torch.bfloat16)
+        accumulate = False
+    if out.dtype == torch.float32:
+        mode, out_arg = 2 if accumulate else 1, out  # stored from registers
+    else:
+        mode, out_arg = 0, TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # [E * K, N]
     tiles = E * (K // BLOCK_K) * cdiv(N, BLOCK_N)
     launch(_grouped_wgrad_gluon_kernel, (min(tiles, num_sms(a_MK.device)),),
-           (a_MK, b_MN, out_desc, gather_a_S if gather_a_S is not None else offsets_E1,
+           (a_MK, b_MN, out_arg, gather_a_S if gather_a_S is not None else offsets_E1,
             gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1, E, K, N, a_MK.stride(0), b_MN.stride(0)),
            dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, EVEN_N=N % BLOCK_N == 0,
-                BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
-                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
-                maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS)))
+                OUT_MODE=mode, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF,
+                NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+                num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS)))
     return out

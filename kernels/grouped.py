@@ -986,14 +986,16 @@ def grouped_wgrad(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, s
     Accumulates in fp32; returns ``out_dtype`` (default a's), or writes into ``out`` [E, K, N]
     and returns it; with ``accumulate`` ``out += dw`` before the one rounding to out's dtype
     (fp32 out: gradient accumulation over micro-batches fused into the GEMM's epilogue; on sm_90+
-    done by TMA's reduce-add where ``tma_add_ok(out)``, with the same bits). On sm_90 a new bf16
-    gradient without scale or activation runs kernels/gluon_wgrad.py's kernel where it applies.
+    done by TMA's reduce-add where ``tma_add_ok(out)``, with the same bits). On sm_90 a gradient
+    without scale or activation (new bf16 or fp32, or into fp32 ``out``, added or not) runs
+    kernels/gluon_wgrad.py's kernel where it applies.
     """
     kw = dict(gather_a_S=gather_a_S, gather_b_S=gather_b_S, scale_S=scale_S, a_activation=a_activation,
               a_scale_S=a_scale_S, out_dtype=out_dtype, out=out, accumulate=accumulate)
     if gluon_wgrad.supported(a_MK, b_MN, offsets_E1, **kw):
         _check_wgrad(a_MK, b_MN, offsets_E1, gather_a_S, gather_b_S, scale_S, a_activation, a_scale_S)
-        return gluon_wgrad.grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S)
+        return gluon_wgrad.grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S,
+                                               out_dtype=out_dtype, out=out, accumulate=accumulate)
     fn = grouped_wgrad_triton if use_triton(a_MK, b_MN, offsets_E1) else grouped_wgrad_reference
     return fn(a_MK, b_MN, offsets_E1, gather_a_S=gather_a_S, gather_b_S=gather_b_S, scale_S=scale_S,
               a_activation=a_activation, a_scale_S=a_scale_S, out_dtype=out_dtype, out=out,

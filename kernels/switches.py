@@ -28,9 +28,13 @@
 | MEGATRON_MOE_COMPILE_WORKERS | a new tuning first compiles its     | N: that many processes; 0 or 1: none (the     |
 |                         | candidates in forked processes, one per   | autotuner compiles them one by one)           |
 |                         | CPU of this rank, at most 8 (tuning.py)   |                                               |
-| MEGATRON_MOE_GLUON_WGRAD | a new bf16 weight gradient runs          | 0: the Triton kernel for every weight         |
+| MEGATRON_MOE_GLUON_WGRAD | a weight gradient of bf16 operands runs  | 0: the Triton kernel for every weight         |
 |                         | kernels/gluon_wgrad.py's kernel on sm_90  | gradient                                      |
 |                         | where it applies (``supported``)          |                                               |
+| MEGATRON_MOE_GLUON_WGRAD_FP32 | fp32 weight gradients too (written  | 0: the Triton kernel for them (its TMA        |
+|                         | or added into the trainer's master        | reduce-add or load-add-store)                 |
+|                         | gradients) where MEGATRON_MOE_GLUON_WGRAD |                                               |
+|                         | sends bf16 ones                           |                                               |
 | MEGATRON_MOE_GLUON_GEMM | a bf16 row-grouped GEMM (the up and down  | 0: the Triton kernel for every row-grouped    |
 |                         | projections, the input gradient) runs     | GEMM                                          |
 |                         | kernels/gluon_gemm.py's                   |                                               |
@@ -172,6 +176,12 @@ def compile_workers() -> int:
 def gluon_wgrad() -> bool:
     """MEGATRON_MOE_GLUON_WGRAD != "0": a weight gradient kernels/gluon_wgrad.py takes runs there."""
     return getenv("MEGATRON_MOE_GLUON_WGRAD", "1") != "0"
+
+
+def gluon_wgrad_fp32() -> bool:
+    """MEGATRON_MOE_GLUON_WGRAD_FP32 != "0": an fp32 weight gradient (new, written or added) runs
+    kernels/gluon_wgrad.py's kernel where it takes the call (MEGATRON_MOE_GLUON_WGRAD on too)."""
+    return getenv("MEGATRON_MOE_GLUON_WGRAD_FP32", "1") != "0"
 
 
 def gluon_gemm() -> bool:

@@ -154,7 +154,10 @@ def scenarios():
         token = torch.zeros(256, dtype=torch.int32)
         grouped_wgrad(a, b, offsets, gather_a_S=token)
         grouped_wgrad(a, b, offsets, gather_b_S=token)
-    yield "Gluon weight gradient (gather on a, on b)", wgrad_gluon
+        out = torch.zeros(3, 128, 96)  # fp32: written, then added (the trainer's master gradients)
+        grouped_wgrad(a, b, offsets, gather_a_S=token, out=out)
+        grouped_wgrad(a, b, offsets, gather_b_S=token, out=out, accumulate=True)
+    yield "Gluon weight gradient (gather on a, on b; bf16 new, fp32 written and added)", wgrad_gluon
 
     def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ) and swiglu (gathered or sorted rows)
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)

@@ -33,6 +33,7 @@ def as_if_sm90(monkeypatch):
     monkeypatch.setattr(GW, "on_sm90", lambda t: True)
     monkeypatch.setattr(GW, "available", lambda: True)
     monkeypatch.delenv("MEGATRON_MOE_GLUON_WGRAD", raising=False)
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_WGRAD_FP32", raising=False)
 
 
 def test_supported_takes_a_new_bf16_gradient_with_either_gather(as_if_sm90):
@@ -44,9 +45,23 @@ def test_supported_takes_a_new_bf16_gradient_with_either_gather(as_if_sm90):
     assert GW.supported(a[:300], b, offsets, out_dtype=bf16)
 
 
-@pytest.mark.parametrize("case", ["switch off", "fp32 operands", "fp32 out", "out given", "accumulate", "scale",
-                                  "activation", "K not a multiple of 128", "N not a multiple of 16",
-                                  "strided columns", "no rows", "no experts"])
+def test_supported_takes_fp32_gradients_new_written_or_added(as_if_sm90):
+    """The trainer's master gradients: fp32 [E, K, N], written by a step's first micro-batch and
+    added to by the rest."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", gen)
+    token = torch.randperm(305, generator=gen)[:300].to(torch.int32)
+    out = torch.zeros(3, 256, 160)
+    assert GW.supported(a, b, offsets, gather_a_S=token, out_dtype=torch.float32)
+    assert GW.supported(a, b, offsets, gather_a_S=token, out=out)
+    assert GW.supported(a[:300], b, offsets, gather_b_S=token.clamp_max(299), out=out, accumulate=True)
+
+
+@pytest.mark.parametrize("case", ["switch off", "fp32 switch off", "fp32 operands", "bf16 out given",
+                                  "bf16 accumulate", "accumulate without out", "fp32 out misshapen",
+                                  "fp32 out not contiguous", "fp16 out", "scale", "activation",
+                                  "K not a multiple of 128", "N not a multiple of 16", "strided columns", "no rows",
+                                  "no experts"])
 def test_supported_refuses(as_if_sm90, monkeypatch, case):
     gen = torch.Generator().manual_seed(0)
     a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", gen)
@@ -54,14 +69,23 @@ def test_supported_refuses(as_if_sm90, monkeypatch, case):
     kw = {}
     if case == "switch off":
         monkeypatch.setenv("MEGATRON_MOE_GLUON_WGRAD", "0")
+    elif case == "fp32 switch off":
+        monkeypatch.setenv("MEGATRON_MOE_GLUON_WGRAD_FP32", "0")
+        kw = dict(out=torch.zeros(3, 256, 160), accumulate=True)
     elif case == "fp32 operands":
         a, b = a.float(), b.float()
-    elif case == "fp32 out":
-        kw = dict(out_dtype=torch.float32)
-    elif case == "out given":
+    elif case == "bf16 out given":
         kw = dict(out=torch.empty(3, 256, 160, dtype=bf16))
-    elif case == "accumulate":
-        kw = dict(out=torch.zeros(3, 256, 160), accumulate=True)
+    elif case == "bf16 accumulate":
+        kw = dict(out=torch.zeros(3, 256, 160, dtype=bf16), accumulate=True)
+    elif case == "accumulate without out":
+        kw = dict(out_dtype=torch.float32, accumulate=True)
+    elif case == "fp32 out misshapen":
+        kw = dict(out=torch.zeros(3, 160, 256), accumulate=True)
+    elif case == "fp32 out not contiguous":
+        kw = dict(out=torch.zeros(3, 160, 256).transpose(1, 2), accumulate=True)
+    elif case == "fp16 out":
+        kw = dict(out_dtype=torch.float16)
     elif case == "scale":
         kw = dict(scale_S=torch.ones(300))
     elif case == "activation":
@@ -107,9 +131,11 @@ def _on_gpu_sm90():
 @pytest.mark.parametrize("programs", ["one per SM", "three"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("gather", ["a", "b", "both", "none"])
-def test_gluon_wgrad_matches_float64_reference(case, gather, programs, monkeypatch):
+@pytest.mark.parametrize("output", ["bf16 new", "fp32 written", "fp32 added"])
+def test_gluon_wgrad_matches_float64_reference(case, gather, programs, output, monkeypatch):
     """With three programs each walks several tiles, of experts with different row counts (its
-    producer's and consumer's step counts must agree tile by tile, or the ring deadlocks)."""
+    producer's and consumer's step counts must agree tile by tile, or the ring deadlocks). fp32:
+    written over what out held, or added to it (out + dw rounded once to fp32)."""
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
     if programs == "three":
@@ -126,19 +152,28 @@ def test_gluon_wgrad_matches_float64_reference(case, gather, programs, monkeypat
               both=dict(gather_a_S=rows_a, gather_b_S=rows_b), none={})[gather]
     if gather in ("b", "none"):
         a = a[:S]  # without its gather a has exactly the S sorted rows
+    want = G.grouped_wgrad_reference(a, b, offsets, out_dtype=torch.float64, **kw)
+    before = None
+    if output != "bf16 new":
+        before = torch.randn(want.shape, generator=gen).cuda() * 10  # [E, K, N] fp32, partly cancelling the sums
+        kw.update(out=before.clone(), accumulate=output == "fp32 added")
     assert GW.supported(a, b, offsets, **kw), "the Gluon kernel must take this call"
     got = G.grouped_wgrad(a, b, offsets, **kw)
-    want = G.grouped_wgrad_reference(a, b, offsets, out_dtype=torch.float64, **kw)
-    assert got.dtype == bf16 and got.shape == want.shape
-    # bf16's rounding of each sum (at most 2^-8 of it) and the tensor cores' fp32 accumulation in
-    # another order than the reference's (1e-4 of the largest sum)
+    assert got.shape == want.shape and got.dtype == (bf16 if before is None else torch.float32)
+    if before is not None:
+        assert got.data_ptr() == kw["out"].data_ptr(), "an fp32 gradient goes into the out given"
+    if output == "fp32 added":
+        want = want + before.double()
+    # bf16's rounding of each sum (at most 2^-8 of it; fp32's 2^-24), and the tensor cores' fp32
+    # accumulation in another order than the reference's (1e-4 of the largest sum)
     scale = want.abs().max().item()
     err = (got.double() - want).abs()
-    bound = want.abs() * 2.0 ** -8 + 1e-4 * scale
+    bound = want.abs() * (2.0 ** -8 if before is None else 2.0 ** -23) + 1e-4 * scale
     assert (err <= bound).all(), f"max error {err.max().item():.3e}, {(err > bound).sum().item()} elements over"
     for e, n in enumerate(counts):
-        if n == 0:
-            assert (got[e] == 0).all(), f"expert {e} has no rows: its gradient must be exact zeros"
+        if n == 0:  # exact zeros, or what out held, unchanged
+            empty = torch.zeros_like(got[e]) if output != "fp32 added" else before[e]
+            assert torch.equal(got[e], empty), f"expert {e} has no rows: its gradient must be exact zeros"
 
 
 @pytest.mark.gpu
@@ -182,7 +217,10 @@ def test_grouped_wgrad_sends_what_the_kernel_takes_there(monkeypatch):
     a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", gen)
     token = torch.randperm(305, generator=gen)[:300].to(torch.int32)
     assert G.grouped_wgrad(a, b, offsets, gather_a_S=token) == "gluon"
-    assert calls == [dict(gather_a_S=token, gather_b_S=None)]
+    out = torch.zeros(3, 256, 160)
+    assert G.grouped_wgrad(a, b, offsets, gather_a_S=token, out=out, accumulate=True) == "gluon"
+    assert calls == [dict(gather_a_S=token, gather_b_S=None, out_dtype=None, out=None, accumulate=False),
+                     dict(gather_a_S=token, gather_b_S=None, out_dtype=None, out=out, accumulate=True)]
     with pytest.raises(ValueError, match="sorted rows"):  # the Triton path's checks run first
         G.grouped_wgrad(a, b[:299], offsets, gather_a_S=token)
 
