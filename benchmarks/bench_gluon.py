@@ -12,9 +12,7 @@ equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 
 (gather on b). ``wgrad-fp32``: the trainer's weight gradients at its models' shapes (micro-batch
 64), fp32, written into its master gradients (a step's first micro-batch) or added to them (the
 rest), against the Triton kernel's TMA reduce-add or load-add-store (its autotuner's choice), with
-the largest difference between the two kernels' results; and with one expert holding 90% or all
-of the rows (a collapsed router), where the Gluon kernel is also timed without splitting a tile's
-rows over programs. Up projections: pre[s] = x[t(s)] @ w1[e]
+the largest difference between the two kernels' results. Up projections: pre[s] = x[t(s)] @ w1[e]
 with swiglu times the router weight in the epilogue (the tokens t(s) in a random order). Down
 projections: y[s] = wact[s] @ w2[e], sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted
 rows (w1's storage read transposed).
@@ -30,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 WGRAD_SHAPES = {  # name: (rows S = tokens x top-k, experts E, K, N, the gathered operand)
     "qwen3 dw1": (131072, 128, 2048, 1536, "a"), "qwen3 dw2": (131072, 128, 768, 2048, "b"),
@@ -43,10 +40,6 @@ WGRAD_FP32_SHAPES = {  # the trainer's models at micro-batch 64 (65,536 rows, to
     "dmoe-small dw1": (65536, 64, 768, 3072, "a"), "dmoe-small dw2": (65536, 64, 3072, 768, "b"),
     "olmoe dw1": (131072, 64, 2048, 2048, "a"), "olmoe dw2": (131072, 64, 1024, 2048, "b"),
 }
-# a collapsed router, as short training runs of the paper's router have it: this share of the rows
-# in expert 0, the rest spread evenly; the Gluon kernel also timed without splitting a tile's rows
-# (MEGATRON_MOE_WGRAD_SPLIT=0)
-WGRAD_SKEWED = {"dmoe-small dw1": (0.9, 1.0), "dmoe-small dw2": (0.9, 1.0), "dmoe-xs dw1": (0.9,)}
 GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation)
     # (the top-1 down projection, scattered, (32768, 64, 3072, 768) at dmoe-small, measured 0.489 ms
     # against the Triton kernel's 0.246 on 2026-12-02 and was left to it: supported() refuses a scatter)
@@ -103,15 +96,8 @@ def main(argv=None) -> None:
         rows.append(dict(kind="wgrad", shape=name, rows=S, experts=E, K=K, N=N, gather=side, ms=ms, tflops=tflops))
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
-    fp32_runs = [(name, shape, None) for name, shape in WGRAD_FP32_SHAPES.items()]
-    fp32_runs += [(name, WGRAD_FP32_SHAPES[name], share) for name, shares in WGRAD_SKEWED.items() for share in shares]
-    for name, (S, E, K, N, side), share in fp32_runs if "wgrad-fp32" in kinds else ():
+    for name, (S, E, K, N, side) in WGRAD_FP32_SHAPES.items() if "wgrad-fp32" in kinds else ():
         counts = torch.full((E,), S // E, device=device)
-        if share is not None:
-            counts[0] = int(S * share)
-            counts[1:] = (S - counts[0]) // (E - 1)
-            counts[0] += S - counts.sum()
-            name = f"{name} {share:.0%} to one"
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         a = torch.randn(S, K, device=device, dtype=torch.bfloat16)
         b = torch.randn(S, N, device=device, dtype=torch.bfloat16)
@@ -131,20 +117,12 @@ def main(argv=None) -> None:
                 "triton": triton.testing.do_bench(lambda: grouped_wgrad_triton(
                     a, b, offsets, out=outs["triton"], accumulate=accumulate, **kw)),
             }
-            unsplit = ""
-            if share is not None:
-                os.environ["MEGATRON_MOE_WGRAD_SPLIT"] = "0"
-                ms["gluon unsplit"] = triton.testing.do_bench(lambda: gluon_wgrad.grouped_wgrad_gluon(
-                    a, b, offsets, out=outs["gluon"], accumulate=accumulate, **kw))
-                del os.environ["MEGATRON_MOE_WGRAD_SPLIT"]
-                unsplit = f"  unsplit {ms['gluon unsplit']:.3f} ms"
             tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
             label = f"{name} {mode}"
             rows.append(dict(kind="wgrad-fp32", shape=label, rows=S, experts=E, K=K, N=N, gather=side, ms=ms,
                              tflops=tflops, max_diff=diff, max_abs=scale))
             print(f"{label:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {'-':>11} {tflops['gluon']:11.0f} "
-                  f"{tflops['triton']:12.0f} {'-':>13}  max |gluon - triton| {diff:.2e} of {scale:.1e}{unsplit}",
-                  flush=True)
+                  f"{tflops['triton']:12.0f} {'-':>13}  max |gluon - triton| {diff:.2e} of {scale:.1e}", flush=True)
     for name, (S, E, K, N, T, act) in GEMM_SHAPES.items() if "gemm" in kinds else ():
         offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
         a = torch.randn(T or S, K, device=device, dtype=torch.bfloat16)

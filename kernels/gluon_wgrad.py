@@ -51,21 +51,13 @@ import functools
 import torch
 
 from . import switches
-from ._common import cdiv, next_power_of_2
+from ._common import cdiv
 from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrier, fence_async_shared, gl, gluon,
                      maxnreg, mbarrier, num_sms, on_sm90, rows_ok, tma, tma_store, warpgroup_mma, warpgroup_mma_wait)
 from .launcher import launch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover  (Gluon is not there either: nothing here runs)
-    triton = None
-
 BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF = 128, 256, 64, 3
 NUM_WARPS, PRODUCER_WARPS, PRODUCER_REGS = 8, 4, 80
-SPLIT_ROUNDS, MIN_CHUNK = 4, 8  # the plan's chunks (_chunk_steps)
-FIXUP_ROWS = 32  # rows of a split tile _fixup_kernel adds up at a time
 
 
 if gluon is not None:
@@ -74,47 +66,35 @@ if gluon is not None:
     # ------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _add(a, b):
-        return a + b
+    def _tile_kn(t, tiles_e, tiles_n):
+        """Tile t's expert and its (k, n) tile indices."""
+        r = t % tiles_e
+        return t // tiles_e, r // tiles_n, r % tiles_n
 
     @gluon.jit
-    def _plan(offsets_ptr, E, tiles_e, CH, ADD: gl.constexpr, E_PAD: gl.constexpr, BLOCK_S: gl.constexpr,
-              layout: gl.constexpr):
-        """The work items, worked out once from the experts' row offsets, kept per expert in
-        registers (each warp a copy): items run expert by expert, tile by tile, chunk by chunk; an
-        expert of `steps` 64-row blocks has C = cdiv(steps, CH) chunks of CH blocks per output tile
-        (none without rows when ADD; otherwise at least one, which writes the tile's zeros).
-        Returns per expert its first item, C, steps, first and end row, first workspace slot (the
-        split experts' items numbered in the same order), and the number of items in all."""
-        idx = gl.arange(0, E_PAD, layout=layout)
-        m = idx < E
-        lo = gl.load(offsets_ptr + idx, mask=m, other=0)
-        hi = gl.load(offsets_ptr + idx + 1, mask=m, other=0)
-        steps = (hi - lo + BLOCK_S - 1) // BLOCK_S
-        if not ADD:
-            steps = gl.maximum(steps, 1)
-        steps = gl.where(m, steps, 0)
-        chunks = (steps + CH - 1) // CH
-        items = chunks * tiles_e
-        first = gl.associative_scan(items, 0, _add) - items
-        split = gl.where(chunks > 1, items, 0)
-        slot0 = gl.associative_scan(split, 0, _add) - split
-        return idx, first, chunks, steps, lo, hi, slot0, gl.sum(items, axis=0)
+    def _segment(e, offsets_ptr):
+        """Expert e's rows (loads: used a tile later, so in flight meanwhile)."""
+        return gl.load(offsets_ptr + e), gl.load(offsets_ptr + e + 1)
 
     @gluon.jit
-    def _pick(t, idx, first, chunks, steps, lo, hi, slot0, tiles_e, tiles_n, CH, BLOCK_S: gl.constexpr):
-        """Work item t of the plan: its expert, (k, n) tile, first sorted row, the expert's end row,
-        its number of blocks, the expert's C and the item's workspace slot (register work only)."""
-        e = gl.sum((first + chunks * tiles_e <= t).to(gl.int32), axis=0)  # the expert whose items hold t
-        sel = idx == e
-        c_e = gl.maximum(gl.sum(gl.where(sel, chunks, 0), axis=0), 1)
-        r = t - gl.sum(gl.where(sel, first, 0), axis=0)
-        tile = r // c_e
-        c = r % c_e
-        n_steps = gl.minimum(gl.sum(gl.where(sel, steps, 0), axis=0) - c * CH, CH)
-        row0 = gl.sum(gl.where(sel, lo, 0), axis=0) + c * CH * BLOCK_S
-        slot = gl.sum(gl.where(sel, slot0, 0), axis=0) + r
-        return e, tile // tiles_n, tile % tiles_n, row0, gl.sum(gl.where(sel, hi, 0), axis=0), n_steps, c_e, slot
+    def _steps(seg_start, seg_end, BLOCK_S: gl.constexpr):
+        """Row blocks of a tile: at least one (an expert without rows still writes its zeros)."""
+        return gl.maximum(gl.cdiv(seg_end - seg_start, BLOCK_S), 1)
+
+    @gluon.jit
+    def _schedule(E, K, N, offsets_ptr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr):
+        """This program's share of the E * tiles_e tiles (t = pid, pid + nprog, ...), and the rows
+        of its first two tiles' experts (the second clamped to the last tile)."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        tiles_e = gl.cdiv(K, BLOCK_K) * tiles_n
+        last_tile = E * tiles_e - 1
+        e0, _, _ = _tile_kn(pid, tiles_e, tiles_n)
+        start, end = _segment(e0, offsets_ptr)
+        e1, _, _ = _tile_kn(gl.minimum(pid + nprog, last_tile), tiles_e, tiles_n)
+        nx_start, nx_end = _segment(e1, offsets_ptr)
+        return pid, nprog, tiles_e, tiles_n, gl.cdiv(E * tiles_e - pid, nprog), last_tile, start, end, nx_start, nx_end
 
     @gluon.jit
     def _block_rows(s0, seg_end, gather_a_ptr, gather_b_ptr, HAS_GATHER_A: gl.constexpr,
@@ -147,30 +127,24 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
-                  E, K, N, CH, stride_am, stride_bm,
-                  HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr, ADD: gl.constexpr,
-                  E_PAD: gl.constexpr, SPT_E: gl.constexpr,
+                  E, K, N, stride_am, stride_bm,
+                  HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
                   PRODUCER_WARPS: gl.constexpr):
-        """Every row block of this program's items into the ring. What changes per item (its
-        columns, rows, step count) is worked out once per item, from the plan in registers."""
+        """Every row block of this program's tiles into the ring. What changes per tile (its
+        columns, its step count) is worked out once per tile, not per step."""
         # 8 contiguous bf16 (16 bytes, one cp.async) per thread along a row
         load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        plan_layout: gl.constexpr = gl.BlockedLayout([SPT_E], [32], [PRODUCER_WARPS], [0])
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        tiles_n = gl.cdiv(N, BLOCK_N)
-        tiles_e = gl.cdiv(K, BLOCK_K) * tiles_n
-        idx, first, chunks, steps, lo, hi, slot0, total = _plan(offsets_ptr, E, tiles_e, CH, ADD, E_PAD, BLOCK_S,
-                                                                plan_layout)
-        _, pk, pn, p_row, p_end, p_steps, _, _ = _pick(pid, idx, first, chunks, steps, lo, hi, slot0, tiles_e,
-                                                       tiles_n, CH, BLOCK_S)
-        rows_a, rows_b, mask = _block_rows(p_row, p_end, gather_a_ptr, gather_b_ptr, HAS_GATHER_A,
+        pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, p_start, p_end, nx_start, nx_end = _schedule(
+            E, K, N, offsets_ptr, BLOCK_K, BLOCK_N)
+        _, pk, pn = _tile_kn(pid, tiles_e, tiles_n)
+        p_steps = _steps(p_start, p_end, BLOCK_S)
+        rows_a, rows_b, mask = _block_rows(p_start, p_end, gather_a_ptr, gather_b_ptr, HAS_GATHER_A,
                                            HAS_GATHER_B, BLOCK_S, load_layout)
-        t = pid
+        p_i = 0
         p_s = 0
         count = 0
-        while t < total:
+        while p_i < my_tiles:
             slot = count % NUM_BUF
             mbarrier.wait(empty_bars.index(slot), ((count // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
             _copy_rows(a_bufs.index(slot), a_ptr, rows_a, mask, stride_am, pk * BLOCK_K, K, BLOCK_K, True,
@@ -182,10 +156,14 @@ if gluon is not None:
             p_s += 1
             if p_s == p_steps:
                 p_s = 0
-                t += nprog
-                _, pk, pn, p_row, p_end, p_steps, _, _ = _pick(t, idx, first, chunks, steps, lo, hi, slot0, tiles_e,
-                                                               tiles_n, CH, BLOCK_S)
-            rows_a, rows_b, mask = _block_rows(p_row + p_s * BLOCK_S, p_end, gather_a_ptr, gather_b_ptr,
+                p_i += 1
+                p_start = nx_start
+                p_end = nx_end
+                p_steps = _steps(p_start, p_end, BLOCK_S)
+                _, pk, pn = _tile_kn(pid + p_i * nprog, tiles_e, tiles_n)
+                e_after, _, _ = _tile_kn(gl.minimum(pid + (p_i + 1) * nprog, last_tile), tiles_e, tiles_n)
+                nx_start, nx_end = _segment(e_after, offsets_ptr)
+            rows_a, rows_b, mask = _block_rows(p_start + p_s * BLOCK_S, p_end, gather_a_ptr, gather_b_ptr,
                                                HAS_GATHER_A, HAS_GATHER_B, BLOCK_S, load_layout)
 
     @gluon.jit
@@ -210,34 +188,25 @@ if gluon is not None:
                 gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
-    def _consumer(out, out_smem, ws_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N, CH,
-                  OUT_MODE: gl.constexpr, EVEN_N: gl.constexpr, E_PAD: gl.constexpr, SPT_E: gl.constexpr,
+    def _consumer(out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
+                  OUT_MODE: gl.constexpr, EVEN_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
                   NUM_WARPS: gl.constexpr):
-        """The MMAs and the items' stores. A whole tile's sum (C == 1) goes to out (OUT_MODE: 0
-        rounded to out's dtype through shared memory and TMA, out a descriptor; 1 fp32 written, 2
-        fp32 added, out a pointer); a chunk of a split tile's rows (C > 1) leaves its fp32 sum in
-        its workspace slot, for _fixup_kernel to add up in chunk order."""
+        """The MMAs and the tiles' stores (OUT_MODE: 0 rounded to out's dtype through shared memory
+        and TMA, out a descriptor; 1 fp32 written, 2 fp32 added, out a pointer)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        plan_layout: gl.constexpr = gl.BlockedLayout([SPT_E], [32], [NUM_WARPS], [0])
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        tiles_n = gl.cdiv(N, BLOCK_N)
-        tiles_e = gl.cdiv(K, BLOCK_K) * tiles_n
-        idx, first, chunks, steps, lo, hi, slot0, total = _plan(offsets_ptr, E, tiles_e, CH, OUT_MODE == 2, E_PAD,
-                                                                BLOCK_S, plan_layout)
-        e, pk, pn, _, _, c_steps, c_e, c_slot = _pick(pid, idx, first, chunks, steps, lo, hi, slot0, tiles_e,
-                                                      tiles_n, CH, BLOCK_S)
+        pid, nprog, tiles_e, tiles_n, my_tiles, last_tile, seg_start, seg_end, nx_start, nx_end = _schedule(
+            E, K, N, offsets_ptr, BLOCK_K, BLOCK_N)
         acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
         count = 0
-        t = pid
-        # a while loop: Triton 3.6's Gluon did not carry values reassigned in the body through a for
-        # loop here, and every tile ran the first tile's step count
-        while t < total:
+        c_i = 0
+        # a while loop: Triton 3.6's Gluon did not carry seg_start / seg_end (reassigned in the body)
+        # through a for loop here, and every tile ran the first tile's step count
+        while c_i < my_tiles:
             # the steps in a loop of their own: with the tile's epilogue behind a branch in the same
             # loop, ptxas drained the MMAs at every step (its C7517 note: a wait injected at the loop's end)
-            for c_s in range(c_steps):
+            for c_s in range(_steps(seg_start, seg_end, BLOCK_S)):
                 slot = count % NUM_BUF
                 mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
                 fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
@@ -250,9 +219,8 @@ if gluon is not None:
             acc = warpgroup_mma_wait(0, deps=[acc])
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            if c_e > 1:
-                _store_fp32(ws_ptr, acc, c_slot * BLOCK_K, 0, BLOCK_N, False, True, BLOCK_K, BLOCK_N, acc_layout)
-            elif OUT_MODE == 0:
+            e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
+            if OUT_MODE == 0:
                 tma.store_wait(0)  # the last tile's store has read the buffer
                 out_smem.store(acc.to(out.dtype))
                 fence_async_shared()
@@ -260,18 +228,19 @@ if gluon is not None:
             else:
                 _store_fp32(out, acc, e * K + pk * BLOCK_K, pn * BLOCK_N, N, OUT_MODE == 2, EVEN_N, BLOCK_K, BLOCK_N,
                             acc_layout)
-            t += nprog
-            e, pk, pn, _, _, c_steps, c_e, c_slot = _pick(t, idx, first, chunks, steps, lo, hi, slot0, tiles_e,
-                                                          tiles_n, CH, BLOCK_S)
+            c_i += 1
+            seg_start = nx_start
+            seg_end = nx_end
+            e_after, _, _ = _tile_kn(gl.minimum(pid + (c_i + 1) * nprog, last_tile), tiles_e, tiles_n)
+            nx_start, nx_end = _segment(e_after, offsets_ptr)
         if OUT_MODE == 0:
             tma.store_wait(0)
 
     @gluon.jit
     def _grouped_wgrad_gluon_kernel(
-        a_ptr, b_ptr, out, ws_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr,
-        E, K, N, CH, stride_am, stride_bm,
+        a_ptr, b_ptr, out, gather_a_ptr, gather_b_ptr, offsets_ptr,
+        E, K, N, stride_am, stride_bm,
         HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr, OUT_MODE: gl.constexpr,
-        E_PAD: gl.constexpr, SPT_E: gl.constexpr,
         BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
         NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -289,51 +258,12 @@ if gluon is not None:
             mbarrier.init(ready_bars.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
             mbarrier.init(empty_bars.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (out, out_smem, ws_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N, CH,
-                         OUT_MODE, EVEN_N, E_PAD, SPT_E, BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
+            (_consumer, (out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N, OUT_MODE,
+                         EVEN_N, BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
             (_producer, (a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars,
-                         empty_bars, E, K, N, CH, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, EVEN_N,
-                         OUT_MODE == 2, E_PAD, SPT_E, BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, PRODUCER_WARPS)),
+                         empty_bars, E, K, N, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, EVEN_N, BLOCK_K,
+                         BLOCK_N, BLOCK_S, NUM_BUF, PRODUCER_WARPS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
-
-
-if triton is not None:
-    @triton.jit
-    def _fixup_kernel(ws_ptr, out_ptr, offsets_ptr, E, K, N, CH, tiles_n, tiles_e,
-                      ADD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_S: tl.constexpr, ROWS: tl.constexpr):
-        """Program (tile, e): if expert e's tiles were split (C > 1 chunks, the plan of _plan), its
-        tile's C fp32 partial sums from the workspace, added in chunk order, into out (written, or
-        with ADD added to it), rounded once to out's dtype; otherwise nothing."""
-        tile = tl.program_id(0)
-        e = tl.program_id(1)
-        idx = tl.arange(0, E_PAD)
-        m = idx < E
-        lo = tl.load(offsets_ptr + idx, mask=m, other=0)
-        hi = tl.load(offsets_ptr + idx + 1, mask=m, other=0)
-        steps = (hi - lo + BLOCK_S - 1) // BLOCK_S
-        if not ADD:
-            steps = tl.maximum(steps, 1)
-        steps = tl.where(m, steps, 0)
-        chunks = (steps + CH - 1) // CH
-        c_e = tl.sum(tl.where(idx == e, chunks, 0))
-        if c_e > 1:
-            slot = tl.sum(tl.where((idx < e) & (chunks > 1), chunks * tiles_e, 0)) + tile * c_e
-            pk = tile // tiles_n
-            pn = tile % tiles_n
-            cols = tl.arange(0, BLOCK_N)
-            out_cols = pn * BLOCK_N + cols
-            for r0 in tl.static_range(0, BLOCK_K, ROWS):
-                rows = r0 + tl.arange(0, ROWS)
-                ws = ws_ptr + (slot * BLOCK_K + rows).to(tl.int64)[:, None] * BLOCK_N + cols[None, :]
-                acc = tl.load(ws)
-                for c in range(1, c_e):
-                    acc += tl.load(ws + c * (BLOCK_K * BLOCK_N))
-                ptrs = out_ptr + (e * K + pk * BLOCK_K + rows).to(tl.int64)[:, None] * N + out_cols[None, :]
-                mask = (out_cols < N)[None, :]
-                if ADD:
-                    acc = tl.load(ptrs, mask=mask) + acc
-                tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,26 +308,6 @@ def _out_layout():
     return gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], gl.bfloat16)
 
 
-def _chunk_steps(rows: int, E: int, tiles_e: int, programs: int) -> int:
-    """The plan's chunk, in 64-row blocks: an expert's tile of more blocks than this is summed in
-    chunks by several programs (its partial sums added up by _fixup_kernel), so that an expert with
-    most of the rows keeps every SM busy. Sized so each program gets ~SPLIT_ROUNDS chunks' worth
-    of the largest plan (every row in one expert); equal experts are never split at the shapes
-    measured. ``MEGATRON_MOE_WGRAD_SPLIT=0``: never split."""
-    if not switches.wgrad_split():
-        return 1 << 30
-    blocks = cdiv(rows, BLOCK_S) + E  # bounds Σ_e max(cdiv(rows_e, 64), 1)
-    return max(MIN_CHUNK, cdiv(tiles_e * blocks, programs * SPLIT_ROUNDS))
-
-
-def _plan_sizes(rows: int, E: int, tiles_e: int, programs: int) -> tuple[int, int]:
-    """The plan's chunk (blocks) and the workspace slots (128 x 256 fp32 tiles) that hold the split
-    chunks' sums of any routing of ``rows`` sorted rows: Σ over split experts of tiles_e * C_e, and
-    each C_e > 1 is under 2 * steps_e / chunk, so under tiles_e * 2 * blocks / chunk in all."""
-    ch = _chunk_steps(rows, E, tiles_e, programs)
-    return ch, tiles_e * (2 * (cdiv(rows, BLOCK_S) + E) // ch)
-
-
 def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=None, out_dtype=None, out=None,
                         accumulate=False):
     """dw_EKN [E, K, N] = Σ_{s in e} a[ga(s)]ᵀ · b[gb(s)]: a new bf16 (default) or fp32 tensor, or
@@ -412,26 +322,12 @@ def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=N
         mode, out_arg = 2 if accumulate else 1, out  # stored from registers
     else:
         mode, out_arg = 0, TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # [E * K, N]
-    # the sorted rows (an upper bound of offsets[-1]): what a gather indexes, else the sorted operand's rows
-    gather = gather_a_S if gather_a_S is not None else gather_b_S
-    rows = gather.shape[0] if gather is not None else a_MK.shape[0]
-    tiles_n = cdiv(N, BLOCK_N)
-    tiles_e = (K // BLOCK_K) * tiles_n
-    programs = num_sms(a_MK.device)
-    ch, slots = _plan_sizes(rows, E, tiles_e, programs)
-    ws = torch.empty(slots * BLOCK_K, BLOCK_N, device=a_MK.device, dtype=torch.float32) if slots else offsets_E1
-    e_pad = max(next_power_of_2(E), 32)
-    launch(_grouped_wgrad_gluon_kernel, (min(programs, E * tiles_e + slots),),
-           (a_MK, b_MN, out_arg, ws, gather_a_S if gather_a_S is not None else offsets_E1,
-            gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1, E, K, N, ch, a_MK.stride(0),
-            b_MN.stride(0)),
+    tiles = E * (K // BLOCK_K) * cdiv(N, BLOCK_N)
+    launch(_grouped_wgrad_gluon_kernel, (min(tiles, num_sms(a_MK.device)),),
+           (a_MK, b_MN, out_arg, gather_a_S if gather_a_S is not None else offsets_E1,
+            gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1, E, K, N, a_MK.stride(0), b_MN.stride(0)),
            dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, EVEN_N=N % BLOCK_N == 0,
-                OUT_MODE=mode, E_PAD=e_pad, SPT_E=e_pad // 32, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S,
-                NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+                OUT_MODE=mode, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF,
+                NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
                 num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS)))
-    if slots:  # the split tiles' partial sums, in chunk order, into out
-        launch(_fixup_kernel, (tiles_e, E),
-               (ws, out, offsets_E1, E, K, N, ch, tiles_n, tiles_e),
-               dict(ADD=mode == 2, E_PAD=e_pad, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, ROWS=FIXUP_ROWS,
-                    num_warps=4))
     return out

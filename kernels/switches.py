@@ -35,9 +35,6 @@
 |                         | or added into the trainer's master        | reduce-add or load-add-store)                 |
 |                         | gradients) where MEGATRON_MOE_GLUON_WGRAD |                                               |
 |                         | sends bf16 ones                           |                                               |
-| MEGATRON_MOE_WGRAD_SPLIT | the Gluon weight gradient splits the   | 0: one program sums each output tile over     |
-|                         | rows of an expert's tile over several     | all its expert's rows                         |
-|                         | programs when the expert holds many rows  |                                               |
 | MEGATRON_MOE_GLUON_GEMM | a bf16 row-grouped GEMM (the up and down  | 0: the Triton kernel for every row-grouped    |
 |                         | projections, the input gradient) runs     | GEMM                                          |
 |                         | kernels/gluon_gemm.py's                   |                                               |
@@ -185,12 +182,6 @@ def gluon_wgrad_fp32() -> bool:
     """MEGATRON_MOE_GLUON_WGRAD_FP32 != "0": an fp32 weight gradient (new, written or added) runs
     kernels/gluon_wgrad.py's kernel where it takes the call (MEGATRON_MOE_GLUON_WGRAD on too)."""
     return getenv("MEGATRON_MOE_GLUON_WGRAD_FP32", "1") != "0"
-
-
-def wgrad_split() -> bool:
-    """MEGATRON_MOE_WGRAD_SPLIT != "0": the Gluon weight gradient sums an expert's tile with many
-    rows in chunks on several programs (kernels/gluon_wgrad.py's plan)."""
-    return getenv("MEGATRON_MOE_WGRAD_SPLIT", "1") != "0"
 
 
 def gluon_gemm() -> bool:

@@ -104,41 +104,6 @@ def test_supported_refuses(as_if_sm90, monkeypatch, case):
     assert GW.supported(a, b, offsets, **kw) is False
 
 
-def _plan_reference(counts, tiles_e, ch, add):
-    """The Gluon kernel's plan, written out: per expert its chunks per tile, and the workspace
-    slots the split experts' chunks take (each chunk of each tile one slot)."""
-    steps = [-(-n // 64) if add else max(-(-n // 64), 1) for n in counts]
-    chunks = [-(-s // ch) for s in steps]
-    return chunks, sum(c * tiles_e for c in chunks if c > 1)
-
-
-@pytest.mark.parametrize("add", [False, True])
-def test_plan_workspace_holds_every_split_chunk(add, monkeypatch):
-    """The workspace the launcher sizes from the rows alone (not the routing, which lives on the
-    GPU) holds the split chunks of any routing: all rows in one expert, a few heavy experts,
-    random skews; and equal experts at the trained models' shapes are not split."""
-    monkeypatch.delenv("MEGATRON_MOE_WGRAD_SPLIT", raising=False)
-    gen = torch.Generator().manual_seed(0)
-    shapes = ((65536, 64, 768, 3072, 132), (65536, 64, 3072, 768, 132), (131072, 64, 2048, 2048, 132),
-              (262144, 128, 256, 1536, 132), (4000, 4, 256, 512, 8), (300, 3, 128, 96, 3))
-    for S, E, K, N, programs in shapes:
-        tiles_e = (K // 128) * -(-N // 256)
-        ch, slots = GW._plan_sizes(S, E, tiles_e, programs)
-        routings = [[S] + [0] * (E - 1), [S // E] * E, [S // 2, S // 4, S // 4] + [0] * (E - 3)]
-        for _ in range(20):
-            w = torch.rand(E, generator=gen) ** 8
-            c = (w / w.sum() * S).floor().long()
-            c[0] += S - c.sum()
-            routings.append(c.tolist())
-        for counts in routings:
-            _, used = _plan_reference(counts, tiles_e, ch, add)
-            assert used <= slots, f"{S, E, K, N}: {used} slots used, {slots} allocated"
-        if S >= 65536:  # equal experts: one chunk each
-            assert max(_plan_reference([S // E] * E, tiles_e, ch, add)[0]) == 1
-    monkeypatch.setenv("MEGATRON_MOE_WGRAD_SPLIT", "0")
-    assert max(_plan_reference([65536] + [0] * 63, 72, GW._chunk_steps(65536, 64, 72, 132), add)[0]) == 1
-
-
 def test_supported_refuses_without_a_gpu(monkeypatch):
     monkeypatch.delenv("MEGATRON_MOE_GLUON_WGRAD", raising=False)
     a, b, offsets = _operands(300, 256, 160, [100, 0, 200], "cpu", torch.Generator().manual_seed(0))
@@ -209,61 +174,6 @@ def test_gluon_wgrad_matches_float64_reference(case, gather, programs, output, m
         if n == 0:  # exact zeros, or what out held, unchanged
             empty = torch.zeros_like(got[e]) if output != "fp32 added" else before[e]
             assert torch.equal(got[e], empty), f"expert {e} has no rows: its gradient must be exact zeros"
-
-
-SPLIT_CASES = dict(CASES, **{  # and one where the default plan splits: one expert with most rows, 8 programs
-    "one expert with most rows, the default plan": (4000, 256, 512, [3900, 0, 37, 63]),
-})
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("chunk", ["1 block", "3 blocks"])
-@pytest.mark.parametrize("case", list(SPLIT_CASES))
-@pytest.mark.parametrize("gather", ["a", "b"])
-@pytest.mark.parametrize("output", ["bf16 new", "fp32 written", "fp32 added"])
-def test_gluon_wgrad_split_tiles_match_float64_reference(case, gather, output, chunk, monkeypatch):
-    """An expert's tile summed in chunks of 1 or 3 row blocks on several programs (three: each
-    walks several items), the chunks' partial sums added up by the fix-up kernel into out: the
-    same sums, exact zeros or out unchanged for experts without rows. The last case keeps the
-    default plan, which splits only its large expert."""
-    if not _on_gpu_sm90():
-        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
-    S, K, N, counts = SPLIT_CASES[case]
-    if "default plan" in case:
-        monkeypatch.setattr(GW, "num_sms", lambda device: 8)
-        rows_e = [-(-n // 64) for n in counts]
-        ch = GW._chunk_steps(S, len(counts), (K // 128) * -(-N // 256), 8)
-        assert max(rows_e) > ch >= sorted(rows_e)[-2], "the default plan must split the large expert only"
-    else:
-        monkeypatch.setattr(GW, "num_sms", lambda device: 3)
-        monkeypatch.setattr(GW, "_chunk_steps", lambda *a: int(chunk.split()[0]))
-    gen = torch.Generator().manual_seed(2)
-    a, b, offsets = _operands(S, K, N, counts, "cuda", gen)
-    if "every token" in case:
-        rows = (torch.arange(S) % 90).to(torch.int32).cuda()
-    else:
-        rows = torch.randperm(S, generator=gen).to(torch.int32).cuda()
-    a = a[:S]
-    kw = dict(gather_a_S=rows) if gather == "a" else dict(gather_b_S=rows)
-    want = G.grouped_wgrad_reference(a, b, offsets, out_dtype=torch.float64, **kw)
-    before = None
-    if output != "bf16 new":
-        before = torch.randn(want.shape, generator=gen).cuda() * 10
-        kw.update(out=before.clone(), accumulate=output == "fp32 added")
-    assert GW.supported(a, b, offsets, **kw), "the Gluon kernel must take this call"
-    got = G.grouped_wgrad(a, b, offsets, **kw)
-    if output == "fp32 added":
-        want = want + before.double()
-    scale = want.abs().max().item()
-    err = (got.double() - want).abs()
-    bound = want.abs() * (2.0 ** -8 if before is None else 2.0 ** -23) + 1e-4 * scale
-    assert (err <= bound).all(), f"max error {err.max().item():.3e}, {(err > bound).sum().item()} elements over"
-    for e, n in enumerate(counts):
-        if n == 0:
-            empty = torch.zeros_like(got[e]) if output != "fp32 added" else before[e]
-            assert torch.equal(got[e], empty), f"expert {e} has no rows"
-    again = G.grouped_wgrad(a, b, offsets, **dict(kw, out=before.clone()) if before is not None else kw)
-    assert torch.equal(got, again), "the same call must give the same bits"
 
 
 @pytest.mark.gpu
