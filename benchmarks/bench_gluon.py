@@ -79,13 +79,17 @@ def main(argv=None) -> None:
     rows = []
     print(f"{'shape':<16} {'gluon ms':>9} {'triton ms':>10} {'cutlass ms':>11} {'gluon TF/s':>11} "
           f"{'triton TF/s':>12} {'cutlass TF/s':>13}")
-    for name, (S, E, K, N, side) in WGRAD_SHAPES.items() if "wgrad" in kinds else ():
+    def wgrad_operands(S, E, K, N, side):
+        """Equal experts; a, b bf16; the gathered side's rows in a random order."""
         counts = torch.full((E,), S // E, device=device)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         a = torch.randn(S, K, device=device, dtype=torch.bfloat16)
         b = torch.randn(S, N, device=device, dtype=torch.bfloat16)
         rows_S = torch.randperm(S, device=device).to(torch.int32)
-        kw = dict(gather_a_S=rows_S) if side == "a" else dict(gather_b_S=rows_S)
+        return a, b, offsets, dict(gather_a_S=rows_S) if side == "a" else dict(gather_b_S=rows_S)
+
+    for name, (S, E, K, N, side) in WGRAD_SHAPES.items() if "wgrad" in kinds else ():
+        a, b, offsets, kw = wgrad_operands(S, E, K, N, side)
         assert gluon_wgrad.supported(a, b, offsets, **kw), f"{name}: the Gluon kernel does not take this shape"
         ms = {
             "gluon": triton.testing.do_bench(lambda: gluon_wgrad.grouped_wgrad_gluon(a, b, offsets, **kw)),
@@ -97,12 +101,7 @@ def main(argv=None) -> None:
         print(f"{name:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} "
               f"{tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
     for name, (S, E, K, N, side) in WGRAD_FP32_SHAPES.items() if "wgrad-fp32" in kinds else ():
-        counts = torch.full((E,), S // E, device=device)
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        a = torch.randn(S, K, device=device, dtype=torch.bfloat16)
-        b = torch.randn(S, N, device=device, dtype=torch.bfloat16)
-        rows_S = torch.randperm(S, device=device).to(torch.int32)
-        kw = dict(gather_a_S=rows_S) if side == "a" else dict(gather_b_S=rows_S)
+        a, b, offsets, kw = wgrad_operands(S, E, K, N, side)
         base = torch.randn(E, K, N, device=device)
         for mode, accumulate in (("written", False), ("added", True)):
             assert gluon_wgrad.supported(a, b, offsets, out=base, accumulate=accumulate, **kw), name
