@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-MICRO_BATCHES, MICRO_BATCH, SEQ = 4, 2, 8
+MICRO_BATCHES, MICRO_BATCH, SEQ = 8, 2, 8  # 8: a micro-batch for each of up to 8 data-parallel ranks
 FLAGS = dict(num_moe_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
              moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
              moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)

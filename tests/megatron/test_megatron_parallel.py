@@ -1,7 +1,7 @@
 """Our layer inside megatron-core's parallel state, on the CPU: gloo processes with megatron-core's
 expert-model-parallel groups against one process (EP = 1) on the same global batch.
 
-    pytest tests/megatron/test_megatron_parallel.py     # about a minute on 2 CPU cores
+    pytest tests/megatron/test_megatron_parallel.py     # about 1.5 minutes on 2 CPU cores
 
 Each rank builds the GPT as Megatron-LM does with ``--num-experts 8 --expert-model-parallel-size
 EP`` (tests/megatron/_megatron_ep_worker.py) and runs megatron-core's forward_step / backward_step
@@ -69,6 +69,7 @@ def is_expert(name):
 @pytest.mark.parametrize("world, ep, impl, freq", [
     (2, 2, "reference", 1),
     (4, 4, "reference", 1),
+    (8, 8, "reference", 1),   # the paper's setting: one expert per rank
     (4, 2, "reference", 2),   # MoE in layer 1, dense layer 2 (--moe-layer-freq 2)
     (2, 2, "triton_grouped", 1),
 ])
