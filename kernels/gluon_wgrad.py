@@ -175,17 +175,13 @@ if gluon is not None:
         rows = row0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         ptrs = out_ptr + (rows.to(gl.int64) * N)[:, None] + cols[None, :]
-        if EVEN_N:
-            if ADD:
-                gl.atomic_add(ptrs, acc, sem="relaxed")
-            else:
-                gl.store(ptrs, acc)
-        else:
+        mask = None  # full tiles: no column mask
+        if not EVEN_N:
             mask = (cols < N)[None, :]
-            if ADD:
-                gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-            else:
-                gl.store(ptrs, acc, mask=mask)
+        if ADD:
+            gl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
     def _consumer(out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
