@@ -8,9 +8,9 @@
 # RUNS: "name:config[:overrides]" (overrides comma-separated), run one after another on GPU 0.
 # STEPS (default 8), MB (micro-batch, default 64), GB (global batch, default MB), PROFILE_STEP
 # (default 6; "mb=N" in a run's overrides sets its own micro-batch; an upper-case NAME=VALUE there
-# is an environment variable of that run, e.g. MEGATRON_MOE_TMA_ADD=0; "from=N" its own MEASURE_FROM,
-# with train.train_iters=N its own length: a long dropless run measured once its router has spread
-# out beside a short dense one);
+# is an environment variable of that run, e.g. MEGATRON_MOE_TMA_ADD=0; "from=N" its own MEASURE_FROM
+# and "prof=N" its own PROFILE_STEP, with train.train_iters=N its own length: a long dropless run
+# measured once its router has spread out beside a short dense one);
 # GRAPHS: every run's train.cuda_graphs before its own overrides (default none: eager, so that an
 # A/B names its CUDA-graph runs; auto for the trainer's default);
 # medians over the steps after MEASURE_FROM (default 3); 'step1 s' is the first step's time
@@ -28,10 +28,11 @@ write_env "$W/env.txt"
 for spec in ${RUNS:?RUNS is empty}; do
   IFS=: read -r name cfg own <<< "$spec"
   split_overrides "$own" "$MB"
-  envs=(); cfg_over=(); echo "$MEASURE_FROM" > "$W/$name.from"
+  envs=(); cfg_over=(); echo "$MEASURE_FROM" > "$W/$name.from"; echo "$PROFILE_STEP" > "$W/$name.prof"
   for o in "${extra[@]}"; do
     if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o")
     elif [[ $o == from=* ]]; then echo "${o#from=}" > "$W/$name.from"
+    elif [[ $o == prof=* ]]; then echo "${o#prof=}" > "$W/$name.prof"
     else cfg_over+=("$o"); fi
   done
   extra=("${cfg_over[@]}")
@@ -41,7 +42,7 @@ for spec in ${RUNS:?RUNS is empty}; do
     -i "${CUDA_VISIBLE_DEVICES:-0}" -lms 500 > "$W/$name.clocks.csv" 2>/dev/null &
   smi=$!
   rm -rf /tmp/ab/"$name"  # a failed run leaves no metrics of an earlier run by the same name
-  env "${envs[@]}" MEGATRON_MOE_PROFILE_STEP=$PROFILE_STEP timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.training \
+  env "${envs[@]}" MEGATRON_MOE_PROFILE_STEP="$(cat "$W/$name.prof")" timeout "${RUN_TIMEOUT:-300}" python3 -m megatron_moe.training \
     --config "configs/$cfg.yaml" name="$name" logging.wandb=false logging.runs_dir=/tmp/ab \
     train.global_batch_size="$GB" train.micro_batch_size="$mb" train.train_iters="$STEPS" \
     train.lr_warmup_iters=2 train.eval_interval=0 train.save_interval=0 train.save_final=false \
@@ -56,9 +57,9 @@ for spec in ${RUNS:?RUNS is empty}; do
     [[ -e $j ]] && python3 benchmarks/step_gaps.py "$j" > "$W/$name.gaps.txt" 2>&1
   done
 done
-python3 - "$W" "$PROFILE_STEP" <<'EOF' | tee "$W/train_ab.txt"
+python3 - "$W" <<'EOF' | tee "$W/train_ab.txt"
 import glob, json, os, statistics as st, sys
-w, prof = sys.argv[1], int(sys.argv[2])
+w = sys.argv[1]
 def clocks(path):  # median SM MHz and highest power (W) over the samples of a busy GPU (power > 200 W)
     rows = []
     for line in open(path) if os.path.exists(path) else []:
@@ -79,7 +80,7 @@ def max_share(x):  # the layers' mean busiest-expert share at one step ("-" for 
 print(f"{'run':<28} {'steps':>7} {'tok/s':>9} {'s/step':>7} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'loss@1':>7} {'loss@end':>8} {'step1 s':>8} {'max share':>9} {'SM MHz':>6} {'max W':>5}")
 for p in sorted(glob.glob(os.path.join(w, "*.jsonl"))):
     r = [json.loads(l) for l in open(p)]
-    first = int(open(p[:-6] + ".from").read())
+    first, prof = (int(open(p[:-6] + ext).read()) for ext in (".from", ".prof"))
     t = [x for x in r if x["step"] > first and x["step"] != prof]  # the profiled step runs slower or r
     if not t:
         print(f"{os.path.basename(p)[:-6]:<28} no steps after {first} (of {len(r)})")

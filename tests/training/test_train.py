@@ -171,6 +171,23 @@ def test_data_parallel_two_ranks_matches_one(workdir, straight):
     assert got == pytest.approx(want, abs=2e-5)
 
 
+def test_the_micro_batch_size_leaves_the_training_unchanged(workdir):
+    """Global batch 8 as 4, 2 or 1 micro-batches: the same losses and gradient norms to fp32 rounding.
+    The load-balancing and z losses are off: they are computed per micro-batch, so their value
+    depends on how the global batch is split (GPU runs at micro-batch 64 and 128 part after ~20
+    steps: docs/performance.md, "The step once the router has spread out")."""
+    rows = {}
+    for mb in (2, 4, 8):
+        name = f"mb{mb}"
+        _run(_overrides(workdir, name, "logging.wandb=false", "train.exit_interval=4", f"train.micro_batch_size={mb}",
+                        "model.moe.aux_loss_coeff=0", "model.moe.z_loss_coeff=0"))
+        rows[mb] = read_metrics(workdir / "runs" / name)
+    assert [len(r) for r in rows.values()] == [4, 4, 4]
+    for mb in (2, 8):
+        for key in ("lm_loss", "grad_norm"):
+            assert [r[key] for r in rows[mb]] == pytest.approx([r[key] for r in rows[4]], rel=1e-5), (mb, key)
+
+
 @pytest.mark.parametrize("ep,bf16", [(1, False), (2, False), (2, True)])
 def test_overlap_grad_reduce_matches_plain(workdir, ep, bf16):
     """train.overlap_grad_reduce (bucket all-reduces started during the last backward) gives the
