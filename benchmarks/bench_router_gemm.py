@@ -5,7 +5,9 @@ into torch GEMMs), GPU time and host time per call.
     python benchmarks/bench_router_gemm.py --shapes 32768x768x64 --w-dtypes bf16
     python benchmarks/bench_router_gemm.py --sweep --shapes dmoe-small,qwen3-30b-a3b   # each kernel's tiles
 
-GPU ms: triton.testing.do_bench's median. Host µs: the median over 200 calls with the GPU held
+GPU ms: triton.testing.do_bench's median. "dx+dw" and "dx+dw+add" time the fused backward
+(``logits_backward_triton``; with the experts' dx added in place) in the kernel column and the
+separate kernels (and torch's add) in the torch column. Host µs: the median over 200 calls with the GPU held
 busy by a sleep kernel (the enqueue alone). Shapes are T x H x E (tokens, hidden, experts).
 """
 from __future__ import annotations
@@ -45,7 +47,9 @@ def _candidates(op):
     """Tile configs --sweep times per kernel (BLOCK_E: the most experts per tile)."""
     grid = {"logits": dict(BLOCK_T=(64, 128), BLOCK_H=(64, 128), BLOCK_E=(128,), num_warps=(4, 8), num_stages=(3, 4)),
             "dx": dict(BLOCK_T=(64, 128), BLOCK_H=(64, 128), BLOCK_E=(64,), num_warps=(4, 8), num_stages=(3,)),
-            "dw": dict(BLOCK_T=(32, 64), BLOCK_H=(64, 128), BLOCK_E=(64,), num_warps=(4, 8), num_stages=(3,))}[op]
+            "dw": dict(BLOCK_T=(32, 64), BLOCK_H=(64, 128), BLOCK_E=(64,), num_warps=(4, 8), num_stages=(3,)),
+            "bwd": dict(BLOCK_T=(32, 64), BLOCK_H=(64, 128), num_warps=(4, 8), num_stages=(2, 3),
+                        PROGRAMS_PER_SM=(2, 4, 8))}[op]
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
@@ -58,7 +62,7 @@ def sweep(shapes, w_dtypes, ops, dev):
 
     from megatron_moe.kernels import router_gemm as rg
 
-    tables = {"logits": rg.FWD_CONFIG, "dx": rg.DX_CONFIG, "dw": rg.DW_CONFIG}
+    tables = {"logits": rg.FWD_CONFIG, "dx": rg.DX_CONFIG, "dw": rg.DW_CONFIG, "bwd": rg.BWD_CONFIG}
     for wname in w_dtypes:
         wd = DTYPES[wname]
         inputs = []
@@ -76,7 +80,8 @@ def sweep(shapes, w_dtypes, ops, dev):
                     for name, x, w, g in inputs:
                         fn = {"logits": lambda: rg.logits_triton(x, w),
                               "dx": lambda: rg.logits_dx_triton(g, w, x.dtype),
-                              "dw": lambda: rg.logits_dw_triton(g, x, w.dtype)}[op]
+                              "dw": lambda: rg.logits_dw_triton(g, x, w.dtype),
+                              "bwd": lambda: rg.logits_backward_triton(g, x, w)}[op]
                         ms.append(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
                 except OutOfResources:
                     print(f"sweep {wname} {op:<7} skipped, out of shared memory: {cfg}", flush=True)
@@ -98,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help="names of SHAPES or TxHxE, comma-separated")
     ap.add_argument("--w-dtypes", default="bf16,fp32")
     ap.add_argument("--sweep", action="store_true", help="time each kernel's candidate tile configs, then exit")
-    ap.add_argument("--ops", default="logits,dx,dw", help="--sweep's kernels")
+    ap.add_argument("--ops", default="logits,dx,dw,bwd", help="--sweep's kernels")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.sweep:
@@ -112,11 +117,19 @@ def main(argv=None):
             x = torch.randn(T, H, device=dev).bfloat16()
             w = (torch.randn(E, H, device=dev) * 0.02).to(wd)
             g = torch.randn(T, E, device=dev)
+            into = torch.randn(T, H, device=dev).bfloat16()
             ops = {"logits": (lambda: rg.logits_triton(x, w), lambda: rg.logits_reference(x, w)),
                    "dx": (lambda: rg.logits_dx_triton(g, w, x.dtype),
                           lambda: rg.logits_backward_reference(g, x, w, need_dw=False)),
                    "dw": (lambda: rg.logits_dw_triton(g, x, w.dtype),
-                          lambda: rg.logits_backward_reference(g, x, w, need_dx=False))}
+                          lambda: rg.logits_backward_reference(g, x, w, need_dx=False)),
+                   # both gradients: the fused kernel against the two kernels
+                   "dx+dw": (lambda: rg.logits_backward_triton(g, x, w),
+                             lambda: (rg.logits_dx_triton(g, w, x.dtype), rg.logits_dw_triton(g, x, w.dtype))),
+                   # and the experts' dx added: in the kernel against the two kernels and an add
+                   "dx+dw+add": (lambda: rg.logits_backward_triton(g, x, w, dx_add_TH=into),
+                                 lambda: (into.add_(rg.logits_dx_triton(g, w, x.dtype)),
+                                          rg.logits_dw_triton(g, x, w.dtype)))}
             for op, (kern, ref) in ops.items():
                 k_ms = triton.testing.do_bench(kern, warmup=25, rep=100, return_mode="median")
                 r_ms = triton.testing.do_bench(ref, warmup=25, rep=100, return_mode="median")

@@ -221,7 +221,7 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     launch(_route_sum_kernel, (1,),
            (part_counts, part_probs, part_lse2, counts_E, aux, z, G, E, _aux_scale(aux_coeff, T, E, top_k),
             z_coeff / T),
-           dict(BLOCK_G=max(2, min(64, next_power_of_2(G))), BLOCK_E=BLOCK_E, num_warps=4))
+           dict(BLOCK_G=max(2, min(16384 // BLOCK_E, next_power_of_2(G))), BLOCK_E=BLOCK_E, num_warps=8))
     return ids_TK, weights_TK, counts_E, aux, z
 
 

@@ -1,8 +1,9 @@
 """The router's three GEMMs with the bf16 split of their fp32 operands done in registers.
 
     logits_TE = logits_triton(x_TH, w_EH)                      # fp32 [T, E], fp32-accurate
-    dx_TH = logits_dx_triton(dlogits_TE, w_EH, x_TH.dtype)     # dL/dx
-    dw_EH = logits_dw_triton(dlogits_TE, x_TH, w_EH.dtype)     # dL/dw, in w's dtype
+    dx_TH, dw_EH = logits_backward_triton(dlogits_TE, x_TH, w_EH)   # both gradients in one pass
+    dx_TH = logits_dx_triton(dlogits_TE, w_EH, x_TH.dtype)     # dL/dx alone
+    dw_EH = logits_dw_triton(dlogits_TE, x_TH, w_EH.dtype)     # dL/dw alone, in w's dtype
 
 The router's logits are fp32-accurate at bf16 speed (megatron_moe/ops/router_logits.py): an fp32
 operand is split into bf16 parts whose products with a bf16 operand are exact on the tensor cores
@@ -13,7 +14,12 @@ and whose sum, accumulated in fp32, is the operand to 24 bits (three parts) or 1
                                            are below 2^-16 of Σ|g||w| (dx is rounded to bf16)
   dw       dw = Σ_q g_qᵀ @ x               fp32 partials over blocks of tokens, summed in a fixed
                                            order (deterministic), rounded once to w's dtype
-Here each kernel loads the fp32 operand's tile once and splits it in registers. Through torch
+Here each kernel loads the fp32 operand's tile once and splits it in registers. The backward's
+two GEMMs run as one kernel where the experts fit one block (E <= 128): a program takes a range of
+tokens and a block of H, splits g's rows once for both products, writes dx's tile (added, if given,
+to the experts' dx of the same x, which it overwrites: one read and one write instead of the add's
+two reads and a write) and sums dw's partial over its tokens; x and dx cross memory once each
+(docs/performance.md, "The router's backward in one pass"). Through torch
 (:func:`logits_reference`, :func:`logits_backward_reference`; also the CPU path) the same sums take
 ~10 ops per layer step: the parts, their concatenations, two GEMMs and the sum over the parts,
 each with its host cost (docs/performance.md, "The router's GEMMs in Triton").
@@ -41,6 +47,12 @@ DX_CONFIG = {torch.bfloat16: dict(BLOCK_T=128, BLOCK_H=128, BLOCK_E=64, num_warp
              torch.float32: dict(BLOCK_T=128, BLOCK_H=128, BLOCK_E=64, num_warps=8, num_stages=3)}
 DW_CONFIG = {torch.bfloat16: dict(BLOCK_T=32, BLOCK_H=128, BLOCK_E=64, num_warps=4, num_stages=3),
              torch.float32: dict(BLOCK_T=32, BLOCK_H=128, BLOCK_E=64, num_warps=4, num_stages=3)}
+# the fused backward (E <= BWD_MAX_E: BLOCK_E = E's power of two, one block; PROGRAMS_PER_SM: the
+# grid's programs per SM, each a range of tokens and a block of H): the fastest of
+# bench_router_gemm.py --sweep --ops bwd at dmoe-small's and dmoe-xs's shapes (micro-batch 64), H200
+BWD_CONFIG = {torch.bfloat16: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2),
+              torch.float32: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2)}
+BWD_MAX_E = 128
 
 
 def _config(table: dict, dtype: torch.dtype, E: int) -> dict:
@@ -150,6 +162,50 @@ def _logits_dw_kernel(g_ptr, x_ptr, out_ptr, T, H, E, stride_gt, stride_xt, ROWS
              mask=e_ok[:, None] & h_ok[None, :])
 
 
+@triton.jit
+def _logits_bwd_kernel(g_ptr, w_ptr, x_ptr, dx_ptr, dw_ptr, T, H, E, stride_gt, stride_we, stride_xt,
+                       ROWS_PER_PROGRAM, W_PARTS: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+                       ADD_DX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program (c, j), tokens [c·R, (c+1)·R) and columns j·BLOCK_H + [0, BLOCK_H), all E experts in
+    one block: dx[t, h] = the sums of :func:`_logits_dx_kernel` (+ dx[t, h] as stored, ADD_DX) and
+    dw_part[c, e, h] = Σ_t Σ_q g_q[t, e] · x[t, h] (of :func:`_logits_dw_kernel`), g split once."""
+    c = tl.program_id(0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    es = tl.arange(0, BLOCK_E)
+    h_ok, e_ok = hs < H, es < E
+    w = tl.load(w_ptr + es[:, None] * stride_we + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+    w_hi, w_mid, _ = _split(w, 2 if W_PARTS == 3 else 1)
+    acc_dw = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    start = c * ROWS_PER_PROGRAM
+    for t0 in range(start, tl.minimum(start + ROWS_PER_PROGRAM, T), BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        t_ok = ts < T
+        g = tl.load(g_ptr + ts[:, None].to(tl.int64) * stride_gt + es[None, :],
+                    mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+        g_hi, g_mid, g_lo = _split(g, 3 if W_PARTS == 3 else 2)  # bf16 w: (hi, lo, lo)
+        if HAS_DX:
+            acc = dot(g_hi, w_hi, None, "tf32")
+            acc = dot(g_mid, w_hi, acc, "tf32")
+            if W_PARTS == 3:
+                acc = dot(g_lo, w_hi, acc, "tf32")
+                acc = dot(g_hi, w_mid, acc, "tf32")
+            at = ts[:, None].to(tl.int64) * H + hs[None, :]
+            ok = t_ok[:, None] & h_ok[None, :]
+            if ADD_DX:
+                acc += tl.load(dx_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + at, cast(acc, dx_ptr.dtype.element_ty), mask=ok)
+        if HAS_DW:
+            x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_xt + hs[None, :],
+                        mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+            acc_dw = dot(tl.trans(g_hi), x, acc_dw, "tf32")
+            acc_dw = dot(tl.trans(g_mid), x, acc_dw, "tf32")
+            if W_PARTS == 3:
+                acc_dw = dot(tl.trans(g_lo), x, acc_dw, "tf32")
+    if HAS_DW:
+        tl.store(dw_ptr + c.to(tl.int64) * E * H + es[:, None] * H + hs[None, :],
+                 cast(acc_dw, dw_ptr.dtype.element_ty), mask=e_ok[:, None] & h_ok[None, :])
+
+
 def _check(x_TH: torch.Tensor, w_EH: torch.Tensor) -> None:
     if x_TH.dim() != 2 or w_EH.dim() != 2 or x_TH.shape[1] != w_EH.shape[1]:
         raise ValueError(f"router logits: expected x [T, H] and w [E, H], got {tuple(x_TH.shape)} and "
@@ -217,6 +273,53 @@ def logits_dw_triton(g_TE: torch.Tensor, x_TH: torch.Tensor, out_dtype: torch.dt
     if C == 1:
         return out
     return sum_partials(out.view(C, E * H), torch.empty(E, H, device=dev, dtype=out_dtype))
+
+
+def logits_backward_triton(g_TE: torch.Tensor, x_TH: torch.Tensor, w_EH: torch.Tensor, need_dx: bool = True,
+                           need_dw: bool = True, dx_add_TH: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dL/dx in x's dtype, dL/dw in w's) from fp32 g_TE = dL/dlogits: the sums of
+    :func:`logits_dx_triton` and :func:`logits_dw_triton`, in one kernel for E <= BWD_MAX_E (else
+    those two). ``dx_add_TH``: a contiguous tensor of dx's shape and dtype (the experts' dL/dx)
+    that dx is added to in place and returned as (rounded once: the fp32 sum of it as stored and
+    the router's part)."""
+    g_TE, x_TH, w_EH = _rows(g_TE.float()), _rows(x_TH), _rows(w_EH)
+    (T, E), H = g_TE.shape, x_TH.shape[1]
+    if dx_add_TH is not None and (dx_add_TH.shape != x_TH.shape or dx_add_TH.dtype != x_TH.dtype
+                                  or not dx_add_TH.is_contiguous()):
+        raise ValueError(f"router logits backward: dx_add_TH must be a contiguous {x_TH.dtype} tensor of shape "
+                         f"{tuple(x_TH.shape)}, got {dx_add_TH.dtype} {tuple(dx_add_TH.shape)}")
+    if E > BWD_MAX_E or T == 0 or E == 0 or H == 0 or not (need_dx or need_dw):
+        dx = None
+        if need_dx and dx_add_TH is None:
+            dx = logits_dx_triton(g_TE, w_EH, x_TH.dtype)
+        elif need_dx:  # the sum in fp32, rounded once as the kernel's
+            dx = dx_add_TH.copy_(dx_add_TH.float() + logits_dx_triton(g_TE, w_EH, torch.float32))
+        return dx, logits_dw_triton(g_TE, x_TH, w_EH.dtype) if need_dw else None
+    dev = g_TE.device
+    cfg = dict(BWD_CONFIG[w_EH.dtype])
+    per_sm = cfg.pop("PROGRAMS_PER_SM")
+    block_t, block_h = cfg["BLOCK_T"], cfg["BLOCK_H"]
+    cfg["BLOCK_E"] = max(16, next_power_of_2(E))
+    tiles_h = cdiv(H, block_h)
+    blocks = max(1, min(cdiv(per_sm * num_sms(dev), tiles_h), cdiv(T, 4 * block_t)))  # at least 4 token tiles each
+    rows_per_program = cdiv(cdiv(T, blocks), block_t) * block_t
+    C = cdiv(T, rows_per_program)
+    dx = None
+    if need_dx:
+        dx = dx_add_TH if dx_add_TH is not None else torch.empty(T, H, device=dev, dtype=x_TH.dtype)
+    dw = part = None
+    if need_dw:
+        part = torch.empty((C, E, H) if C > 1 else (E, H), device=dev,
+                           dtype=torch.float32 if C > 1 else w_EH.dtype)
+    launch(_logits_bwd_kernel, (C, tiles_h),
+           (g_TE, w_EH, x_TH, dx if dx is not None else g_TE, part if part is not None else g_TE, T, H, E,
+            g_TE.stride(0), w_EH.stride(0), x_TH.stride(0), rows_per_program),
+           dict(W_PARTS=1 if w_EH.dtype == torch.bfloat16 else 3, HAS_DX=need_dx, HAS_DW=need_dw,
+                ADD_DX=dx_add_TH is not None, **cfg))
+    if need_dw:
+        dw = part if C == 1 else sum_partials(part.view(C, E * H), torch.empty(E, H, device=dev, dtype=w_EH.dtype))
+    return dx, dw
 
 
 # ----------------------------------------------------------------------------------------------

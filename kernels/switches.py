@@ -50,6 +50,9 @@
 | MEGATRON_MOE_ROUTER_GEMM | the router's logits GEMMs (bf16 x) run   | 0: torch's GEMMs over the parts stacked       |
 |                         | kernels/router_gemm.py's kernels, the     | (~10 more torch ops per layer step)           |
 |                         | fp32 operands split in registers          |                                               |
+| MEGATRON_MOE_ROUTER_DX_ADD | the router's dL/dx is added into the   | 0: autograd adds the two (one more pass)      |
+|                         | experts' dL/dx of the same input by the   |                                               |
+|                         | router's backward kernel (local experts)  |                                               |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -60,7 +63,8 @@ single config never goes through the autotuner, which in some Triton versions be
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
 each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``fused_router``,
-``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each new tuning
+``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each
+layer step (``router_dx_add``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
 go through :func:`getenv`, ``os.environ.get`` without its per-call encoding (a layer step reads
@@ -208,6 +212,12 @@ def router_gemm() -> bool:
     """MEGATRON_MOE_ROUTER_GEMM != "0": the router's logits and their gradients through
     kernels/router_gemm.py (megatron_moe/ops/router_logits.py)."""
     return getenv("MEGATRON_MOE_ROUTER_GEMM", "1") != "0"
+
+
+def router_dx_add() -> bool:
+    """MEGATRON_MOE_ROUTER_DX_ADD != "0": where the layer's experts are local, their dL/dx is handed
+    to the router logits' backward, which adds its own into it (megatron_moe/ops/router_logits.py)."""
+    return getenv("MEGATRON_MOE_ROUTER_DX_ADD", "1") != "0"
 
 
 @contextlib.contextmanager

@@ -106,13 +106,17 @@ class Experts(nn.Module):
             self.w1[i].normal_(0.0, self.cfg.init_method_std, generator=gen)
             self.w2[i].normal_(0.0, std2, generator=gen)
 
-    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None, capacity=None, skip_padding=False):
+    def forward(self, x_TH, expert_ids_TK, weights_TK, w1=None, w2=None, capacity=None, skip_padding=False,
+                expert_dx=None):
         """Σ_k weights_TK[t, k] * expert_{ids[t, k]}(x_TH[t]). Returns (y_TH, dropped_fraction or None).
 
         ``capacity`` (capacity impl only) overrides ``cfg.capacity(len(x_TH))``: under expert
         parallelism the rows here come from the whole group, and the group's token count sets it.
         ``skip_padding``: ids equal to the number of local experts mark padding rows (triton_grouped
         and reference only); nothing is computed for them and their output rows are undefined.
+        ``expert_dx`` (triton_grouped only; ops/router_logits.py's ExpertDx): the backward hands
+        dL/dx_TH to it and returns none for x_TH (the router's backward adds its own and returns
+        the sum).
         """
         cfg = self.cfg
         w1 = self.w1 if w1 is None else w1
@@ -135,9 +139,11 @@ class Experts(nn.Module):
                                           expert_offsets_E1=routing.expert_offsets_E1[:E + 1])
         else:
             routing = routing_metadata(expert_ids_TK, E, cfg.block_size)
+        if expert_dx is not None and impl != "triton_grouped":
+            raise ValueError(f"expert_dx needs mlp_impl triton_grouped, not {impl!r}")
         if impl == "triton_grouped":
             return triton_grouped_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation,
-                                      recompute_activation=cfg.recompute_activation), None
+                                      recompute_activation=cfg.recompute_activation, expert_dx=expert_dx), None
         if impl == "torch_grouped_mm":
             return torch_grouped_mm_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None
         return blocksparse_mlp(x_TH, w1, w2, weights_TK, routing, cfg.activation), None

@@ -29,6 +29,8 @@ from .config import MoEConfig
 from .dispatch import (AllToAllDispatcher, Dispatcher, LocalDispatcher, PaddedAllToAllDispatcher,
                        SymmetricAllToAllDispatcher)
 from .experts import Experts, SharedExpert, resolve_mlp_impl
+from .kernels.switches import router_dx_add
+from .ops.router_logits import ExpertDx
 from .router import TopKRouter
 
 
@@ -99,17 +101,27 @@ class DroplessMoE(nn.Module):
             raise ValueError(f"DroplessMoE input x has dtype {dtype}: mlp_impl={impl!r} "
                              "runs float32, bfloat16 or float16; cast the input, or use "
                              "mlp_impl='reference' for other dtypes")
+        # local experts of triton_grouped hand their dL/dx to the router's backward, which adds its
+        # own into it (one pass fewer over [T, H]; ops/router_logits.py's ExpertDx says why the order
+        # is safe)
+        expert_dx = None
+        if (impl == "triton_grouped" and dtype == x_TH.dtype and type(self.dispatcher) is LocalDispatcher
+                and x_TH.requires_grad and torch.is_grad_enabled() and self.router.takes_expert_dx(x_TH)
+                and router_dx_add()):
+            expert_dx = ExpertDx()
         with torch.autocast(dev, enabled=False):
-            r = self.router(x_TH)
+            r = self.router(x_TH, expert_dx)
             state["load_balancing_loss"], state["z_loss"] = r.aux_loss, r.z_loss
             state["aux_loss"] = r.aux_loss + r.z_loss
             state["tokens_per_expert"] = r.tokens_per_expert_E.detach()
             xc_TH = x_TH.to(dtype)
             w1, w2 = self.experts.w1.to(dtype), self.experts.w2.to(dtype)
             xd, ids, w, ctx = self.dispatcher.dispatch(xc_TH, r.expert_ids_TK, r.weights_TK)
+            if expert_dx is not None and not (xd is x_TH and w is r.weights_TK and w.requires_grad):
+                expert_dx = None  # the router's holder stays empty: autograd adds the two
             y, dropped = self.experts(xd, ids, w, w1=w1, w2=w2,
                                       capacity=self.cfg.capacity(x_TH.shape[0] * self.ep_size),
-                                      skip_padding=self.dispatcher.pads_rows)
+                                      skip_padding=self.dispatcher.pads_rows, expert_dx=expert_dx)
             y_TH = self.dispatcher.combine(y, ctx)
             state["dropped_fraction"] = None if dropped is None else dropped.detach()
             if self.shared_expert is not None:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from .config import MoEConfig
 from .kernels.router import count_ids, load_balancing_loss, z_loss  # noqa: F401  (the reference's parts)
 from .ops.route import route
-from .ops.router_logits import router_logits
+from .ops.router_logits import ExpertDx, router_logits
 
 
 @dataclass
@@ -47,12 +47,16 @@ class TopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.cfg.init_method_std)
 
-    def forward(self, x_TH: torch.Tensor) -> RouterOutput:
+    def forward(self, x_TH: torch.Tensor, expert_dx: ExpertDx | None = None) -> RouterOutput:
+        """``expert_dx``: see ops/router_logits.py's :class:`ExpertDx` (the layer passes one only
+        where :meth:`takes_expert_dx`)."""
         cfg = self.cfg
-        if self.training and cfg.jitter_eps > 0:
+        if self.jitters():
+            if expert_dx is not None:
+                raise ValueError("TopKRouter: expert_dx with jitter_eps > 0 (the logits' input is not x)")
             noise = torch.empty_like(x_TH).uniform_(1.0 - cfg.jitter_eps, 1.0 + cfg.jitter_eps)
             x_TH = x_TH * noise
-        logits_TE = router_logits(x_TH, self.weight)
+        logits_TE = router_logits(x_TH, self.weight, expert_dx)
         # scores, top-k, weights, counts and losses: fused kernels on GPUs (kernels/router.py),
         # the plain-PyTorch reference with mlp_impl='reference' and on the CPU
         expert_ids_TK, weights_TK, tokens_per_expert_E, aux, zl = route(
@@ -62,6 +66,14 @@ class TopKRouter(nn.Module):
         if self.training and cfg.expert_bias:
             self.local_tokens_per_expert += tokens_per_expert_E.to(self.local_tokens_per_expert.dtype)
         return RouterOutput(expert_ids_TK, weights_TK, tokens_per_expert_E, aux, zl)
+
+    def jitters(self) -> bool:
+        return self.training and self.cfg.jitter_eps > 0
+
+    def takes_expert_dx(self, x_TH: torch.Tensor) -> bool:
+        """Whether the logits' backward can add the experts' dL/dx of x_TH into its own: bf16 x
+        (ops/router_logits.py's tensor-core path) that the logits read as it is (no jitter)."""
+        return x_TH.dtype == torch.bfloat16 and not self.jitters()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

@@ -64,7 +64,7 @@ def release(t: torch.Tensor) -> None:
 class TritonGroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w1_EHF, w2_EFH, weights_TK, sort_order_N, sorted_row_N, token_N, offsets_E1, top_k,
-                activation, recompute_activation):
+                activation, recompute_activation, expert_dx):
         # router weight per sorted position (index_select takes the int32 order as it is)
         weight_N = weights_TK.reshape(-1).index_select(0, sort_order_N).float()
         pre_NF, wact_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation,
@@ -77,6 +77,7 @@ class TritonGroupedMLP(torch.autograd.Function):
                               sort_order_N, sorted_row_N, token_N, offsets_E1)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
         ctx.pre_consumed = False
+        ctx.expert_dx = expert_dx  # ops/router_logits.py's ExpertDx, or None
         ctx.sinks = (fp32_grad_of(w1_EHF), fp32_grad_of(w2_EFH))  # master_grad.MasterGrad or None
         return y_TH
 
@@ -117,18 +118,24 @@ class TritonGroupedMLP(torch.autograd.Function):
                 dx_SH = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1)
                 release(dpre_NF)
                 dx = sum_rows(dx_SH, sorted_row_N, K)
-        return dx, dw1, dw2, dweights, None, None, None, None, None, None, None
+            if ctx.expert_dx is not None:  # the router's backward adds its part and returns the sum
+                ctx.expert_dx.put(dx)
+                dx = None
+        return dx, dw1, dw2, dweights, None, None, None, None, None, None, None, None
 
 
 def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.Tensor, weights_TK: torch.Tensor,
-                       routing: Routing, activation: str, recompute_activation: bool = False) -> torch.Tensor:
+                       routing: Routing, activation: str, recompute_activation: bool = False,
+                       expert_dx=None) -> torch.Tensor:
     """y[t] = Σ_k weights[t, k] · (act(x[t] @ w1[e_tk]) @ w2[e_tk]), in x's dtype.
 
     x_TH [T, H] (fp32/bf16/fp16); w1_EHF [E, H, F] (swiglu: [E, H, 2F], gate first) and
     w2_EFH [E, F, H] in x's dtype; weights_TK [T, K] router combine weights (fp32; gets a
     gradient); routing from ``routing_metadata`` of the [T, K] expert ids. No host
     synchronisation on the GPU. ``recompute_activation``: save pre only (not wact) and recompute
-    wact inside the dw2 kernel (less activation memory, a slower dw2).
+    wact inside the dw2 kernel (less activation memory, a slower dw2). ``expert_dx``
+    (ops/router_logits.py's ExpertDx): dL/dx_TH goes to it, not to autograd (the router's backward,
+    which must run after this one, adds its own part and returns the sum).
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: expected one of {ACTIVATIONS}")
@@ -149,4 +156,4 @@ def triton_grouped_mlp(x_TH: torch.Tensor, w1_EHF: torch.Tensor, w2_EFH: torch.T
     if offsets_E1.dtype != torch.int32:
         offsets_E1 = offsets_E1.to(torch.int32)
     return TritonGroupedMLP.apply(x_TH, w1_EHF, w2_EFH, weights_TK, routing.sort_order_N, routing.sorted_row_N,
-                                  routing.sorted_token_N, offsets_E1, K, activation, recompute_activation)
+                                  routing.sorted_token_N, offsets_E1, K, activation, recompute_activation, expert_dx)

@@ -74,13 +74,50 @@ def test_references_match_float64(T, H, E, w_dtype):
 
 @needs_triton_kernels
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, H, E", SHAPES)
+def test_fused_backward_matches_float64(T, H, E, w_dtype):
+    """logits_backward_triton: both gradients in one kernel (E <= 128; E = 130 takes the two
+    kernels), as accurate as the two kernels; alone (dx only, dw only) the same bits as together."""
+    x, w, dl = _inputs(T, H, E, w_dtype, 5 * T + H)
+    x, w, dl = x.to(DEVICE), w.to(DEVICE), dl.to(DEVICE)
+    dx, dw = rg.logits_backward_triton(dl, x, w)
+    _check(x.cpu(), w.cpu(), dl.cpu(), rg.logits_triton(x, w).cpu(), dx.cpu(), dw.cpu())
+    dx_only, none_dw = rg.logits_backward_triton(dl, x, w, need_dw=False)
+    none_dx, dw_only = rg.logits_backward_triton(dl, x, w, need_dx=False)
+    assert none_dw is None and none_dx is None
+    assert torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
+
+
+@needs_triton_kernels
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, H, E", [(300, 96, 16), (70, 64, 130), (0, 32, 4)])
+def test_fused_backward_adds_into_the_given_dx(T, H, E, w_dtype):
+    """dx_add_TH: the router's dx added to it in place (the experts' dx of the same x), the sum
+    rounded once: within one bf16 rounding of the float64 sum of it and g @ w."""
+    x, w, dl = _inputs(T, H, E, w_dtype, 11 * T + E)
+    other = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).bfloat16()
+    x, w, dl, into = x.to(DEVICE), w.to(DEVICE), dl.to(DEVICE), other.to(DEVICE).clone()
+    dx, _ = rg.logits_backward_triton(dl, x, w, need_dw=False, dx_add_TH=into)
+    assert dx is into
+    gd, wd = dl.double().cpu(), w.double().cpu()
+    ref = other.double() + gd @ wd
+    bound = 2 ** -8 * ref.abs() + 2 ** -15 * (gd.abs() @ wd.abs())
+    assert ((dx.double().cpu() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError, match="dx_add_TH must be a contiguous"):
+        rg.logits_backward_triton(dl, x, w, dx_add_TH=into.float())
+
+
+@needs_triton_kernels
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_weight_gradient_is_deterministic(w_dtype):
     """Several token blocks, their fp32 partials summed in a fixed order: the same bits on every
     call (and as accurate as one block: test_kernels_match_float64's (1100, 32, 8))."""
     x, w, dl = _inputs(1100, 32, 8, w_dtype, 3)
     x, dl = x.to(DEVICE), dl.to(DEVICE)
     runs = [rg.logits_dw_triton(dl, x, w_dtype) for _ in range(3)]
-    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    w = w.to(DEVICE)
+    runs += [rg.logits_backward_triton(dl, x, w)[1] for _ in range(2)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:3]) and torch.equal(runs[3], runs[4])
 
 
 @needs_triton_kernels

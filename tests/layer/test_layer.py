@@ -148,6 +148,39 @@ def test_bf16(impl):
     check_against_loop(cfg_(mlp_impl=impl, top_k=2), T=37, dtype=torch.bfloat16, tol=3e-2)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_adds_its_dx_into_the_experts(top_k, monkeypatch):
+    """bf16 triton_grouped on local experts: the experts' backward hands dL/dx to the router's
+    (ops/router_logits.py's ExpertDx), which adds its own part in its kernel. Against the same step
+    with MEGATRON_MOE_ROUTER_DX_ADD=0 (autograd adds the two): the weight gradients the same bits,
+    dL/dx within one bf16 rounding of the parts (the fused sum is rounded once, autograd's twice)."""
+    from megatron_moe.kernels.switches import setting
+    from megatron_moe.ops import router_logits as rl
+
+    cfg = cfg_(mlp_impl="triton_grouped", top_k=top_k, num_experts=8, aux_loss_coeff=0.01)
+    handed = []
+    monkeypatch.setattr(rl.ExpertDx, "put", lambda self, dx: (handed.append(dx.shape), setattr(self, "dx", dx)))
+    grads = {}
+    for on in (True, False):
+        layer = make_layer(cfg, device=DEVICE)
+        x = torch.randn(45, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+        x.requires_grad_(True)
+        with setting("MEGATRON_MOE_ROUTER_DX_ADD", on):
+            y = layer(x)
+            ((y.float() * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum()
+             + layer.aux_loss).backward()
+        grads[on] = [t.grad.clone() for t in (x, layer.router.weight, layer.experts.w1, layer.experts.w2)]
+    assert handed == [(45, cfg.hidden_size)]  # the switch on: one hand-over; off: none
+    (dx_on, *w_on), (dx_off, *w_off) = grads[True], grads[False]
+    for a, b in zip(w_on, w_off):
+        assert torch.equal(a, b)
+    assert dx_on.abs().sum() > 0
+    # one bf16 rounding of the parts (up to half an ulp of the larger part, more than of their sum
+    # where they cancel): a lost or doubled part would be off by the part itself (rel ~0.1-1)
+    d = (dx_on.double() - dx_off.double()).abs()
+    assert rel(dx_on, dx_off) < 2 ** -8 and (d <= 2 ** -6 * dx_off.double().abs().max()).all()
+
+
 def test_capacity_without_drops_equals_dropless():
     # capacity_factor = E guarantees room for every assignment: then capacity == dropless.
     layer = check_against_loop(cfg_(mlp_impl="capacity", capacity_factor=4.0, top_k=2), T=29)
