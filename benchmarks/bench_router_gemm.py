@@ -49,7 +49,7 @@ def _candidates(op):
             "dx": dict(BLOCK_T=(64, 128), BLOCK_H=(64, 128), BLOCK_E=(64,), num_warps=(4, 8), num_stages=(3,)),
             "dw": dict(BLOCK_T=(32, 64), BLOCK_H=(64, 128), BLOCK_E=(64,), num_warps=(4, 8), num_stages=(3,)),
             "bwd": dict(BLOCK_T=(32, 64), BLOCK_H=(64, 128), num_warps=(4, 8), num_stages=(2, 3),
-                        PROGRAMS_PER_SM=(2, 4, 8))}[op]
+                        PROGRAMS_PER_SM=(2, 4), DW_FIRST=(False, True))}[op]
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 

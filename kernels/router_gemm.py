@@ -52,8 +52,10 @@ DW_CONFIG = {torch.bfloat16: dict(BLOCK_T=32, BLOCK_H=128, BLOCK_E=64, num_warps
 # bench_router_gemm.py --sweep --ops bwd at dmoe-small's and dmoe-xs's shapes (micro-batch 64, bf16
 # weights as in training; fp32 weights take the same, unswept), H200
 # (benchmarks/results/router-bwd-h200-2026-12-04/)
-BWD_CONFIG = {torch.bfloat16: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2),
-              torch.float32: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2)}
+BWD_CONFIG = {torch.bfloat16: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2,
+                                   DW_FIRST=False),
+              torch.float32: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2,
+                                  DW_FIRST=False)}
 BWD_MAX_E = 128
 
 
@@ -165,12 +167,27 @@ def _logits_dw_kernel(g_ptr, x_ptr, out_ptr, T, H, E, stride_gt, stride_xt, ROWS
 
 
 @triton.jit
+def _dw_step(g_hi, g_mid, g_lo, x_ptr, ts, t_ok, hs, h_ok, stride_xt, acc_dw, W_PARTS: tl.constexpr):
+    """acc_dw + Σ_q g_qᵀ · x over a block of tokens (x's [BLOCK_T, BLOCK_H] tile loaded here)."""
+    x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_xt + hs[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                other=0.0)
+    acc_dw = dot(tl.trans(g_hi), x, acc_dw, "tf32")
+    acc_dw = dot(tl.trans(g_mid), x, acc_dw, "tf32")
+    if W_PARTS == 3:
+        acc_dw = dot(tl.trans(g_lo), x, acc_dw, "tf32")
+    return acc_dw
+
+
+@triton.jit
 def _logits_bwd_kernel(g_ptr, w_ptr, x_ptr, dx_ptr, dw_ptr, T, H, E, stride_gt, stride_we, stride_xt,
                        ROWS_PER_PROGRAM, W_PARTS: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
-                       ADD_DX: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+                       ADD_DX: tl.constexpr, DW_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
     """Program (c, j), tokens [c·R, (c+1)·R) and columns j·BLOCK_H + [0, BLOCK_H), all E experts in
     one block: dx[t, h] = the sums of :func:`_logits_dx_kernel` (+ dx[t, h] as stored, ADD_DX) and
-    dw_part[c, e, h] = Σ_t Σ_q g_q[t, e] · x[t, h] (of :func:`_logits_dw_kernel`), g split once."""
+    dw_part[c, e, h] = Σ_t Σ_q g_q[t, e] · x[t, h] (of :func:`_logits_dw_kernel`), g split once.
+    DW_FIRST: dw's products issued before dx's in the loop (the same sums); ptxas serialises the
+    MMAs of the other order (note C7515), not of this one. Untimed: a sweep candidate."""
     c = tl.program_id(0)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     es = tl.arange(0, BLOCK_E)
@@ -185,6 +202,8 @@ def _logits_bwd_kernel(g_ptr, w_ptr, x_ptr, dx_ptr, dw_ptr, T, H, E, stride_gt, 
         g = tl.load(g_ptr + ts[:, None].to(tl.int64) * stride_gt + es[None, :],
                     mask=t_ok[:, None] & e_ok[None, :], other=0.0)
         g_hi, g_mid, g_lo = _split(g, 3 if W_PARTS == 3 else 2)  # bf16 w: (hi, lo, lo)
+        if HAS_DW and DW_FIRST:
+            acc_dw = _dw_step(g_hi, g_mid, g_lo, x_ptr, ts, t_ok, hs, h_ok, stride_xt, acc_dw, W_PARTS)
         if HAS_DX:
             acc = dot(g_hi, w_hi, None, "tf32")
             acc = dot(g_mid, w_hi, acc, "tf32")
@@ -196,13 +215,8 @@ def _logits_bwd_kernel(g_ptr, w_ptr, x_ptr, dx_ptr, dw_ptr, T, H, E, stride_gt, 
             if ADD_DX:
                 acc += tl.load(dx_ptr + at, mask=ok, other=0.0).to(tl.float32)
             tl.store(dx_ptr + at, cast(acc, dx_ptr.dtype.element_ty), mask=ok)
-        if HAS_DW:
-            x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_xt + hs[None, :],
-                        mask=t_ok[:, None] & h_ok[None, :], other=0.0)
-            acc_dw = dot(tl.trans(g_hi), x, acc_dw, "tf32")
-            acc_dw = dot(tl.trans(g_mid), x, acc_dw, "tf32")
-            if W_PARTS == 3:
-                acc_dw = dot(tl.trans(g_lo), x, acc_dw, "tf32")
+        if HAS_DW and not DW_FIRST:
+            acc_dw = _dw_step(g_hi, g_mid, g_lo, x_ptr, ts, t_ok, hs, h_ok, stride_xt, acc_dw, W_PARTS)
     if HAS_DW:
         tl.store(dw_ptr + c.to(tl.int64) * E * H + es[:, None] * H + hs[None, :],
                  cast(acc_dw, dw_ptr.dtype.element_ty), mask=e_ok[:, None] & h_ok[None, :])

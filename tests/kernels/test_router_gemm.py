@@ -90,6 +90,20 @@ def test_fused_backward_matches_float64(T, H, E, w_dtype):
 
 @needs_triton_kernels
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_fused_backward_in_either_order_is_the_same(w_dtype, monkeypatch):
+    """DW_FIRST (the sweep's other order of the two products in the loop): the same bits."""
+    x, w, dl = _inputs(1100, 96, 16, w_dtype, 9)
+    x, w, dl = x.to(DEVICE), w.to(DEVICE), dl.to(DEVICE)
+    into = torch.randn(1100, 96, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEVICE)
+    runs = []
+    for dw_first in (False, True):
+        monkeypatch.setitem(rg.BWD_CONFIG, w_dtype, {**rg.BWD_CONFIG[w_dtype], "DW_FIRST": dw_first})
+        runs.append(rg.logits_backward_triton(dl, x, w, dx_add_TH=into.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@needs_triton_kernels
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T, H, E", [(300, 96, 16), (70, 64, 130), (0, 32, 4)])
 def test_fused_backward_adds_into_the_given_dx(T, H, E, w_dtype):
     """dx_add_TH: the router's dx added to it in place (the experts' dx of the same x), the sum
