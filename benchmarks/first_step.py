@@ -13,7 +13,8 @@ Four runs of two steps each (global batch 64, micro-batch 32, the built-in corpu
   warm-untuned  the Triton cache of 'fresh', tuning not kept (MEGATRON_MOE_TUNING_CACHE=0):
                 a later run before kernels/tuning.py
 
-Prints the first and second step's seconds per run; copies the tuning file to --out (to ship it:
+Prints the first and second step's seconds per run (a failed run's last log lines after the
+table); copies the tuning file to --out (to ship it:
 kernels/tuned/<its name>).
 """
 from __future__ import annotations
@@ -42,8 +43,11 @@ def run(name: str, config: str, overrides: list[str], env: dict, out: Path) -> d
     steps = {r["step"]: r.get("step_time_s") for r in rows if "step" in r}
     log_lines = (out / f"first_step_{name}.log").read_text().splitlines()
     tuned = sum(line.startswith("megatron-moe: tuned") for line in log_lines)
+    # a failed run's last lines (the trainer's one-line error, or a traceback's end) in the result
+    # and the printed table: the per-run logs may not come back from a GPU machine
+    tail = [line.strip() for line in log_lines if line.strip()][-3:] if rc else []
     return {"name": name, "rc": rc, "wall_s": round(time.time() - t0, 1), "step1_s": steps.get(1),
-            "step2_s": steps.get(2), "tuned_lines": tuned}
+            "step2_s": steps.get(2), "tuned_lines": tuned, "error": " | ".join(tail)[-600:] or None}
 
 
 def main() -> int:
@@ -78,6 +82,9 @@ def main() -> int:
         s1 = "-" if r["step1_s"] is None else f"{r['step1_s']:.1f}"
         s2 = "-" if r["step2_s"] is None else f"{r['step2_s']:.2f}"
         print(f"| {r['name']}{' (failed)' if r['rc'] else ''} | {s1} | {s2} | {r['tuned_lines']} |")
+    for r in results:
+        if r["rc"]:
+            print(f"{r['name']} failed (rc {r['rc']}): {r['error']}")
     return 0 if all(r["rc"] == 0 for r in results) else 1
 
 

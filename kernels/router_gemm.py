@@ -48,14 +48,16 @@ DX_CONFIG = {torch.bfloat16: dict(BLOCK_T=128, BLOCK_H=128, BLOCK_E=64, num_warp
 DW_CONFIG = {torch.bfloat16: dict(BLOCK_T=32, BLOCK_H=128, BLOCK_E=64, num_warps=4, num_stages=3),
              torch.float32: dict(BLOCK_T=32, BLOCK_H=128, BLOCK_E=64, num_warps=4, num_stages=3)}
 # the fused backward (E <= BWD_MAX_E: BLOCK_E = E's power of two, one block; PROGRAMS_PER_SM: the
-# grid's programs per SM, each a range of tokens and a block of H): the fastest of
+# grid's programs per SM, each a range of tokens and a block of H; DW_FIRST: dw's products before
+# dx's in the loop, where ptxas does not serialise the MMAs): the fastest of
 # bench_router_gemm.py --sweep --ops bwd at dmoe-small's and dmoe-xs's shapes (micro-batch 64, bf16
-# weights as in training; fp32 weights take the same, unswept), H200
-# (benchmarks/results/router-bwd-h200-2026-12-04/)
+# weights as in training; fp32 weights take the same, unswept): tiles, warps and stages on an H200
+# (benchmarks/results/router-bwd-h200-2026-12-04/), DW_FIRST on an H100, 1.06x the other order
+# (benchmarks/results/h100-tables-2026-12-06/)
 BWD_CONFIG = {torch.bfloat16: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2,
-                                   DW_FIRST=False),
+                                   DW_FIRST=True),
               torch.float32: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2,
-                                  DW_FIRST=False)}
+                                  DW_FIRST=True)}
 BWD_MAX_E = 128
 
 

@@ -39,10 +39,9 @@ def test_every_kernel_compiles_for_sm90():
                 if line.startswith("compiled ")}
     missing = [k for k in KERNELS if k not in compiled]
     assert not missing, f"not compiled: {missing}\n{out[-3000:]}"
-    # no kernel whose MMAs ptxas serialised, but the router's weight gradient alone and in the fused
-    # backward (small E x H GEMMs; their loops of split-precision dots are memory-bound, timed in
-    # docs/performance.md, "The router's backward in one pass")
+    # no kernel whose MMAs ptxas serialised, but the router's weight gradient alone (a small E x H
+    # GEMM; its loop of split-precision dots is memory-bound, and the training path takes the fused
+    # backward: docs/performance.md, "The router's backward in one pass")
     serialised = [line for line in out.splitlines() if line.startswith("wgmma-serialised ")
-                  and not line.startswith(("wgmma-serialised _logits_dw_kernel:",
-                                           "wgmma-serialised _logits_bwd_kernel:"))]
+                  and not line.startswith("wgmma-serialised _logits_dw_kernel:")]
     assert not serialised, "ptxas serialised these kernels' MMAs:\n" + "\n".join(serialised)
