@@ -14,8 +14,7 @@ Four runs of two steps each (global batch 64, micro-batch 32, the built-in corpu
                 a later run before kernels/tuning.py
 
 Prints the first and second step's seconds per run (a failed run's last log lines after the
-table); copies the tuning file to --out (to ship it:
-kernels/tuned/<its name>).
+table); copies the tuning file to --out (to ship it: kernels/tuned/<its name>).
 """
 from __future__ import annotations
 
