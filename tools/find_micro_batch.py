@@ -32,7 +32,8 @@ state exists from the first step on. The trial is stopped as soon as step 2 is i
 run's metrics.jsonl, so the checkpoint that ``exit_interval`` would write (about 44 GB for
 dmoe-small) is not waited for; the scratch directory is removed afterwards. Outcomes:
 
-* ``fits``: step 2 was reached (its ``peak_mem_gb`` is recorded);
+* ``fits``: step 2 was reached (its peak memory is recorded: ``peak_reserved_gb``, what the
+  process held, CUDA graphs' pools included);
 * ``oom``: the output holds "CUDA out of memory", "OutOfMemoryError" or another
   allocation failure (see ``OOM_PATTERNS``);
 * anything else (config error, data error, a crash, a timeout) stops the search with that
@@ -180,7 +181,7 @@ def search(candidates: list[int], run_one: Callable[[int], Trial], start: int | 
 
 
 def _steps_logged(metrics: Path) -> tuple[int, float | None]:
-    """(last complete step in metrics.jsonl, highest peak_mem_gb) of a scratch run."""
+    """(last complete step in metrics.jsonl, highest peak_reserved_gb, else peak_mem_gb) of a scratch run."""
     last, peak = 0, None
     try:
         text = metrics.read_text()
@@ -192,8 +193,10 @@ def _steps_logged(metrics: Path) -> tuple[int, float | None]:
         except json.JSONDecodeError:
             continue
         last = max(last, int(m.get("step", 0)))
-        if isinstance(m.get("peak_mem_gb"), (int, float)):
-            peak = m["peak_mem_gb"] if peak is None else max(peak, m["peak_mem_gb"])
+        # what the process held (CUDA graphs' pools included); allocated where a run has no such key
+        held = m.get("peak_reserved_gb", m.get("peak_mem_gb"))
+        if isinstance(held, (int, float)):
+            peak = held if peak is None else max(peak, held)
     return last, peak
 
 

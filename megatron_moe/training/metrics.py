@@ -4,7 +4,7 @@ Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metric
 (flushed at once) and the same keys to W&B::
 
     step, consumed_samples, tokens, lm_loss, aux_loss, z_loss, lr, grad_norm, tokens_per_s,
-    tflops_per_gpu, mfu, step_time_s, peak_mem_gb, skipped_steps,
+    tflops_per_gpu, mfu, step_time_s, peak_mem_gb, peak_reserved_gb, skipped_steps,
     expert_load/layerN/min_share, expert_load/layerN/max_share, expert_load/layerN/cv,
     expert_load/ep_rank_imbalance, expert_load/layerN/ep_rank_imbalance   (expert parallelism only)
     a2a_ms, a2a_fraction                           (expert parallelism only: GPU time in the token
@@ -21,12 +21,15 @@ micro-batches and ranks; lr is the step's learning rate; grad_norm the global no
 clipping; tokens_per_s counts the global batch over the step's wall time; tflops_per_gpu =
 flops_per_token (megatron_moe/training/flops.py: forward + backward, as in the paper) x tokens_per_s /
 GPUs; mfu = tflops_per_gpu / the GPU's dense bf16 peak (flops.peak_tflops); peak_mem_gb =
-torch.cuda.max_memory_allocated in GB (1e9 bytes). Expert load: share of the step's
+torch.cuda.max_memory_allocated in GB (1e9 bytes), peak_reserved_gb = torch.cuda.max_memory_reserved:
+what the process has held on the GPU, CUDA graphs' memory pools included (a graph keeps its
+pool when its tensors are freed, so under ``train.cuda_graphs`` this, not peak_mem_gb, is what
+must fit). Expert load: share of the step's
 token->expert assignments (all ranks) per expert; cv = population std / mean of the counts;
 ep_rank_imbalance = the busiest expert-parallel rank's assignments over the mean rank's (its
 experts' counts summed; 1 = balanced, P = all on one of P ranks; the top-level key averages the
 layers): under expert parallelism the other ranks wait for the busiest at every exchange.
-``mfu`` and ``peak_mem_gb`` are null on the CPU; non-finite numbers are written as null.
+``mfu``, ``peak_mem_gb`` and ``peak_reserved_gb`` are null on the CPU; non-finite numbers are written as null.
 W&B (``WandbRun``): ``logging.wandb_mode: auto`` runs online when W&B has credentials
 (WANDB_API_KEY or a ``wandb login``), else offline, and says which and why in one console line;
 its files go under ``run_dir/wandb``; a resumed run continues the same W&B run without logging a
@@ -126,6 +129,7 @@ def format_line(step: int, total: int, m: dict) -> str:
     add("step_time_s", ".3f", "s/step")
     add("a2a_ms", ".1f", "a2a ms")
     add("peak_mem_gb", ".1f", "mem GB")
+    add("peak_reserved_gb", ".1f", "reserved GB")
     add("dropped_fraction", ".3f", "dropped")
     return " | ".join(parts)
 

@@ -432,7 +432,8 @@ def step_metrics(run: Run, r: StepResult, step_time: float) -> dict:
          "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
          "tflops_per_gpu": run.flops_per_token * tokens_per_step / step_time / run.di.world_size / 1e12,
          "mfu": None,
-         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
+         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+         "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None}
     if run.peak_tflops:
         m["mfu"] = m["tflops_per_gpu"] / run.peak_tflops
     a2a_ms = exchange_time_ms()
@@ -649,11 +650,30 @@ def _out_of_memory(e: BaseException, tc, run: Run | None) -> str | None:
     where = ("during start-up" if run is None else "in the first step" if run.step == 0
              else f"after step {run.step}")
     size = re.search(r"[Tt]ried to allocate ([\d.]+ ?\w+)", text)
-    return (f"{kind} out of memory {where}{f' (tried to allocate {size[1]})' if size else ''} with "
+    line = (f"{kind} out of memory {where}{f' (tried to allocate {size[1]})' if size else ''} with "
             f"train.micro_batch_size={tc.micro_batch_size}: lower train.micro_batch_size (the global batch "
             f"stays {tc.global_batch_size}: more micro-batches are accumulated), find the largest that fits "
             "with megatron-moe-find-micro-batch, or, for a model with many or large experts, split them "
             "over more GPUs with model.moe.expert_parallel_size")
+    if kind == "CUDA" and run is not None:
+        line += _state_note(run.params, tc)
+    return line
+
+
+def _state_note(params, tc) -> str:
+    """What the model's state takes of each GPU before any activation (fp32 weights and
+    gradients, AdamW's two moments, the bf16 copies) and what bf16 moments would free: the part
+    of an out-of-memory line that says whether a micro-batch can fit at all."""
+    n = sum(p.numel() for p in params)
+    moment_bytes = 4 if tc.adam_moments_dtype == "bf16" else 8
+    copies = tc.bf16 and tc.bf16_params
+    per_param = 4 + 4 + moment_bytes + (2 if copies else 0)
+    note = (f"; the model's state takes {n * per_param / 1e9:.1f} GB of this GPU before activations "
+            f"({n / 1e9:.2f}B parameters x {per_param} bytes: fp32 weights and gradients, AdamW's moments"
+            f"{', bf16 copies' if copies else ''})")
+    if moment_bytes == 8:
+        note += f", {n * 4 / 1e9:.1f} GB less with train.adam_moments_dtype=bf16"
+    return note
 
 
 def _known_failure(e: BaseException, tc, run: Run | None) -> str | None:

@@ -48,3 +48,16 @@ def test_a_config_name_resolves_to_the_shipped_file(tmp_path, monkeypatch):
     path, cfg = fmb._load("tiny-cpu", [])
     assert Path(path).is_absolute() and Path(path).is_file() and cfg.name
     assert json.dumps(path)  # a plain string, written into --json
+
+
+def test_a_trials_peak_is_what_the_process_held(tmp_path):
+    """Under CUDA graphs a graph's pool stays reserved after its tensors are freed: the peak a
+    trial records is the reserved one where the run logs it, the allocated one where it does not."""
+    rows = [{"step": 1, "peak_mem_gb": 40.0, "peak_reserved_gb": 70.5},
+            {"step": 2, "peak_mem_gb": 66.6, "peak_reserved_gb": 81.2}]
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lm_lo')  # a torn last line
+    assert fmb._steps_logged(m) == (2, 81.2)
+    m.write_text("".join(json.dumps({"step": r["step"], "peak_mem_gb": r["peak_mem_gb"]}) + "\n" for r in rows))
+    assert fmb._steps_logged(m) == (2, 66.6)
+    assert fmb._steps_logged(tmp_path / "absent.jsonl") == (0, None)

@@ -18,6 +18,7 @@ one line naming the micro-batch size and the fixes, with the logs closed and the
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -28,6 +29,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -357,6 +359,28 @@ def test_out_of_memory_of_each_kind_is_recognised(error, kind, tried):
     if kind == "CUDA":
         assert classify(1, f"megatron-moe-train: error: {line}", reached_step2=False)[0] == OOM
     assert train_mod._out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tc, None) is None
+
+
+@pytest.mark.parametrize("moments, bf16_params, per_param, freed", [
+    ("fp32", True, 18, ", 1.2 GB less with train.adam_moments_dtype=bf16"),
+    ("bf16", True, 14, ""),
+    ("fp32", False, 16, ", 1.2 GB less with train.adam_moments_dtype=bf16"),
+])
+def test_a_gpus_out_of_memory_line_says_what_the_state_takes(moments, bf16_params, per_param, freed):
+    """Once the model is built, the GPU's line adds the bytes its state holds before any
+    activation (weights, gradients, moments, copies: counted here by hand) and what bf16
+    moments would free, so a user sees whether any micro-batch can fit."""
+    tc = dataclasses.replace(load_config(TINY).train, adam_moments_dtype=moments, bf16=True, bf16_params=bf16_params)
+    params = [SimpleNamespace(numel=lambda: 100_000_000), SimpleNamespace(numel=lambda: 200_000_000)]
+    run = SimpleNamespace(params=params, step=1)
+    line = train_mod._out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), tc, run)
+    assert line.startswith("CUDA out of memory after step 1 (tried to allocate 2.00 GiB) with train.micro_batch_size=8")
+    assert line.endswith(f"; the model's state takes {0.3 * per_param:.1f} GB of this GPU before activations "
+                         f"(0.30B parameters x {per_param} bytes: fp32 weights and gradients, AdamW's moments"
+                         f"{', bf16 copies' if bf16_params else ''}){freed}")
+    assert "\n" not in line
+    # the CPU's allocator's line stays as it was (no GPU to speak of)
+    assert ";" not in train_mod._out_of_memory(MemoryError(), tc, run).split("model.moe.expert_parallel_size")[1]
 
 
 @pytest.mark.parametrize("at, where", [(0, "during start-up"), (1, "in the first step")])

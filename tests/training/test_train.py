@@ -80,14 +80,15 @@ def test_metrics_jsonl_has_every_key(straight):
     rows = read_metrics(straight)
     cfg = load_config(straight / "config.yaml")
     every = {"step", "consumed_samples", "tokens", "lm_loss", "aux_loss", "z_loss", "lr",
-             "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s", "peak_mem_gb"}
+             "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "step_time_s", "peak_mem_gb",
+             "peak_reserved_gb"}
     for layer in (1, 2):
         every |= {f"expert_load/layer{layer}/{k}" for k in ("min_share", "max_share", "cv")}
     for i, r in enumerate(rows, start=1):
         assert every <= set(r), every - set(r)
         assert r["step"] == i and r["consumed_samples"] == 8 * i and r["tokens"] == 8 * 64 * i
         assert r["lr"] == pytest.approx(lr_at(i - 1, cfg.train))
-        assert r["mfu"] is None and r["peak_mem_gb"] is None  # CPU: no peak, no CUDA memory
+        assert r["mfu"] is None and r["peak_mem_gb"] is None and r["peak_reserved_gb"] is None  # CPU: no CUDA memory
         assert r["tflops_per_gpu"] > 0 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0
         assert r["aux_loss"] > 0 and r["z_loss"] > 0  # tiny-cpu has both coefficients
         for layer in (1, 2):
