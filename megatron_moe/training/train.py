@@ -244,6 +244,9 @@ def build(cfg: RunConfig, di: DistInfo, logger: MetricsLogger, num_micro: int, s
     hooks.out_of_memory(0)  # tests: a model too large for the memory
     model.train()
     params = [p for _, p in trainable_params(model)]
+    if device.type == "cuda":
+        _check_state_fits(params, tc, torch.cuda.get_device_properties(device).total_memory,
+                          torch.cuda.get_device_name(device), experts=mc.moe is not None)
     reducer = GradReducer.for_groups(params, groups, overlap=tc.overlap_grad_reduce)
     reducer.broadcast_params(model)
     optimizer = build_optimizer(model, tc)
@@ -660,20 +663,40 @@ def _out_of_memory(e: BaseException, tc, run: Run | None) -> str | None:
     return line
 
 
-def _state_note(params, tc) -> str:
-    """What the model's state takes of each GPU before any activation (fp32 weights and
-    gradients, AdamW's two moments, the bf16 copies) and what bf16 moments would free: the part
-    of an out-of-memory line that says whether a micro-batch can fit at all."""
+def _state_bytes(params, tc) -> tuple[int, int, bool]:
+    """(parameters on this GPU, bytes of state each: fp32 weights and gradients, AdamW's two
+    moments, the bf16 copies; whether there are copies)."""
     n = sum(p.numel() for p in params)
-    moment_bytes = 4 if tc.adam_moments_dtype == "bf16" else 8
-    copies = tc.bf16 and tc.bf16_params
-    per_param = 4 + 4 + moment_bytes + (2 if copies else 0)
+    copies = bool(tc.bf16 and tc.bf16_params)
+    return n, 4 + 4 + (4 if tc.adam_moments_dtype == "bf16" else 8) + (2 if copies else 0), copies
+
+
+def _state_note(params, tc) -> str:
+    """What the model's state takes of each GPU before any activation and what bf16 moments
+    would free: the part of an out-of-memory line that says whether a micro-batch can fit at all."""
+    n, per_param, copies = _state_bytes(params, tc)
     note = (f"; the model's state takes {n * per_param / 1e9:.1f} GB of this GPU before activations "
             f"({n / 1e9:.2f}B parameters x {per_param} bytes: fp32 weights and gradients, AdamW's moments"
             f"{', bf16 copies' if copies else ''})")
-    if moment_bytes == 8:
+    if tc.adam_moments_dtype != "bf16":
         note += f", {n * 4 / 1e9:.1f} GB less with train.adam_moments_dtype=bf16"
     return note
+
+
+def _check_state_fits(params, tc, total_bytes: int, gpu: str, *, experts: bool) -> None:
+    """Refuse at once, in one line, a model whose state alone outgrows the GPU (it would run
+    out of memory only after the warm-up and the first backward)."""
+    n, per_param, _ = _state_bytes(params, tc)
+    if n * per_param <= total_bytes:
+        return
+    fixes = ["split the experts over more GPUs with model.moe.expert_parallel_size"] if experts else []
+    if tc.adam_moments_dtype != "bf16" and n * (per_param - 4) <= total_bytes:
+        fixes.append(f"set train.adam_moments_dtype=bf16 ({n * (per_param - 4) / 1e9:.1f} GB)")
+    fix = ", or ".join(fixes) or ("this trainer shards experts only: a dense model this size needs Megatron-LM's "
+                                   "tensor or pipeline parallelism (docs/megatron.md)")
+    raise TrainError(f"the model's state takes {n * per_param / 1e9:.1f} GB of each GPU before any activation "
+                     f"({n / 1e9:.2f}B parameters here x {per_param} bytes), more than the "
+                     f"{total_bytes / 1e9:.1f} GB of the {gpu}: {fix}")
 
 
 def _known_failure(e: BaseException, tc, run: Run | None) -> str | None:

@@ -383,6 +383,29 @@ def test_a_gpus_out_of_memory_line_says_what_the_state_takes(moments, bf16_param
     assert ";" not in train_mod._out_of_memory(MemoryError(), tc, run).split("model.moe.expert_parallel_size")[1]
 
 
+@pytest.mark.parametrize("moments, experts, total_gb, fix", [
+    ("fp32", True, 80, "split the experts over more GPUs with model.moe.expert_parallel_size"),
+    ("fp32", True, 100, "split the experts over more GPUs with model.moe.expert_parallel_size, or set "
+                        "train.adam_moments_dtype=bf16 (84.0 GB)"),
+    ("bf16", True, 80, "split the experts over more GPUs with model.moe.expert_parallel_size"),
+    ("fp32", False, 100, "set train.adam_moments_dtype=bf16 (84.0 GB)"),
+    ("fp32", False, 80, "this trainer shards experts only: a dense model this size needs Megatron-LM's "
+                        "tensor or pipeline parallelism (docs/megatron.md)"),
+])
+def test_a_state_larger_than_the_gpu_is_refused_in_one_line(moments, experts, total_gb, fix):
+    """6B parameters (stand-ins with numel only) x 18 bytes = 108 GB (x 14 = 84 GB with bf16 moments):
+    refused before any step with the fixes that would make it fit; a GPU it fits passes."""
+    tc = dataclasses.replace(load_config(TINY).train, adam_moments_dtype=moments, bf16=True, bf16_params=True)
+    params = [SimpleNamespace(numel=lambda: 2_000_000_000)] * 3
+    per_param = 18 if moments == "fp32" else 14
+    with pytest.raises(train_mod.TrainError) as e:
+        train_mod._check_state_fits(params, tc, int(total_gb * 1e9), "NVIDIA H100 80GB HBM3", experts=experts)
+    assert str(e.value) == (f"the model's state takes {6 * per_param:.1f} GB of each GPU before any activation "
+                            f"(6.00B parameters here x {per_param} bytes), more than the {total_gb:.1f} GB of "
+                            f"the NVIDIA H100 80GB HBM3: {fix}")
+    train_mod._check_state_fits(params, tc, int(6 * per_param * 1e9), "a GPU", experts=experts)  # fits: no error
+
+
 @pytest.mark.parametrize("at, where", [(0, "during start-up"), (1, "in the first step")])
 def test_out_of_memory_closes_the_logs_and_releases_the_lock(workdir, monkeypatch, at, where):
     """In-process: the metrics logger is closed with exit code 1 (W&B's run ends failed), and the
