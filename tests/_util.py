@@ -1,4 +1,5 @@
 """Helpers shared by tests of several tiers (tests/conftest.py puts this folder on sys.path)."""
+import importlib.util
 import os
 import socket
 import subprocess
@@ -48,3 +49,11 @@ def needs_triton_kernels(test):
 
     return pytest.mark.skipif(not triton_kernels_run(),
                               reason="the Triton kernels run on GPUs or under the Triton interpreter")(test)
+
+
+def load_script(path):
+    """A script that is not a package module (benchmarks/*.py), imported from its path."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,20 +1,17 @@
 """benchmarks/first_step.py's trainer command: micro-batch 32, or the config's where that is
 smaller (dmoe-small takes 16, the size that fits an 80 GB GPU: 32 ran out of memory on an H100),
 and the caller's overrides last, so they win."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from _util import load_script
 
 PATH = Path(__file__).parents[2] / "benchmarks" / "first_step.py"
 
 
 @pytest.fixture(scope="module")
 def first_step():
-    spec = importlib.util.spec_from_file_location("first_step", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(PATH)
 
 
 def _settings(cmd):

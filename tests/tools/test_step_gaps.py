@@ -1,20 +1,17 @@
 """benchmarks/step_gaps.py: the GPU's busy time and idle gaps of a profiled step, from a Chrome
 trace, checked on a hand-made trace whose answer is worked out below."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from _util import load_script
 
 PATH = Path(__file__).parents[2] / "benchmarks" / "step_gaps.py"
 
 
 @pytest.fixture(scope="module")
 def step_gaps():
-    spec = importlib.util.spec_from_file_location("step_gaps", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(PATH)
 
 
 def trace(tmp_path, events):
