@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 WGRAD_SHAPES = {  # name: (rows S = tokens x top-k, experts E, K, N, the gathered operand)
     "qwen3 dw1": (131072, 128, 2048, 1536, "a"), "qwen3 dw2": (131072, 128, 768, 2048, "b"),
@@ -40,6 +41,9 @@ WGRAD_FP32_SHAPES = {  # the trainer's models at micro-batch 64 (65,536 rows, to
     "dmoe-small dw1": (65536, 64, 768, 3072, "a"), "dmoe-small dw2": (65536, 64, 3072, 768, "b"),
     "olmoe dw1": (131072, 64, 2048, 2048, "a"), "olmoe dw2": (131072, 64, 1024, 2048, "b"),
 }
+# ... and dmoe-small at an 80 GB GPU's micro-batch 16 (256 rows an expert)
+WGRAD_ADD_SHAPES = dict(WGRAD_FP32_SHAPES, **{
+    "dmoe-small16 dw1": (16384, 64, 768, 3072, "a"), "dmoe-small16 dw2": (16384, 64, 3072, 768, "b")})
 GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation)
     # (the top-1 down projection, scattered, (32768, 64, 3072, 768) at dmoe-small, measured 0.489 ms
     # against the Triton kernel's 0.246 on 2026-12-02 and was left to it: supported() refuses a scatter)
@@ -65,7 +69,8 @@ DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, acti
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="wgrad, wgrad-fp32, gemm or dact, or a comma list (default: all four)")
+    ap.add_argument("--only", help="wgrad, wgrad-fp32, wgrad-add, gemm or dact, or a comma list (default: all "
+                                   "but wgrad-add)")
     args = ap.parse_args(argv)
     kinds = set((args.only or "wgrad,wgrad-fp32,gemm,dact").split(","))
 
@@ -122,6 +127,28 @@ def main(argv=None) -> None:
                              tflops=tflops, max_diff=diff, max_abs=scale))
             print(f"{label:<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {'-':>11} {tflops['gluon']:11.0f} "
                   f"{tflops['triton']:12.0f} {'-':>13}  max |gluon - triton| {diff:.2e} of {scale:.1e}", flush=True)
+    if "wgrad-add" in kinds:  # the Gluon kernel's fp32 add, each MEGATRON_MOE_WGRAD_ADD, beside bf16 and written
+        from megatron_moe.kernels.switches import WGRAD_ADD_WAYS
+        print(f"{'shape':<18} {'bf16 ms':>8} {'written':>8} " + " ".join(f"{w:>13}" for w in WGRAD_ADD_WAYS))
+    for name, (S, E, K, N, side) in WGRAD_ADD_SHAPES.items() if "wgrad-add" in kinds else ():
+        a, b, offsets, kw = wgrad_operands(S, E, K, N, side)
+        base = torch.randn(E, K, N, device=device)
+        out = base.clone()
+        ms = {"bf16": triton.testing.do_bench(lambda: gluon_wgrad.grouped_wgrad_gluon(a, b, offsets, **kw)),
+              "written": triton.testing.do_bench(lambda: gluon_wgrad.grouped_wgrad_gluon(a, b, offsets, out=out, **kw))}
+        results = {}
+        for way in WGRAD_ADD_WAYS:
+            os.environ["MEGATRON_MOE_WGRAD_ADD"] = way
+            results[way] = base.clone()
+            gluon_wgrad.grouped_wgrad_gluon(a, b, offsets, out=results[way], accumulate=True, **kw)
+            ms[way] = triton.testing.do_bench(lambda: gluon_wgrad.grouped_wgrad_gluon(
+                a, b, offsets, out=out, accumulate=True, **kw))
+        os.environ.pop("MEGATRON_MOE_WGRAD_ADD")
+        same = all(torch.equal(results[w], results["atomic"]) for w in WGRAD_ADD_WAYS)
+        rows.append(dict(kind="wgrad-add", shape=name, rows=S, experts=E, K=K, N=N, gather=side, ms=ms,
+                         same_bits=same))
+        print(f"{name:<18} {ms['bf16']:8.3f} {ms['written']:8.3f} " + " ".join(f"{ms[w]:13.3f}" for w in WGRAD_ADD_WAYS)
+              + f"  {'same bits' if same else 'BITS DIFFER'}", flush=True)
     for name, (S, E, K, N, T, act) in GEMM_SHAPES.items() if "gemm" in kinds else ():
         offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
         a = torch.randn(T or S, K, device=device, dtype=torch.bfloat16)

@@ -29,10 +29,14 @@ columns, 256 of b's). Two partitions share a ring of three shared-memory slots, 
       tile's MMAs (waited for only before the buffer is written again); fp32: straight from the
       registers, 8-byte stores or relaxed atomic adds (``red.global.add.v2.f32``: one per element
       and tile, so out + dw rounded once, as TMA's reduce-add; PTX's fp32 atomic add flushes
-      subnormal results to zero), which no one waits for. A tile's steps run in a
-      loop of their own: with the epilogue behind a branch in the same loop, ptxas waited for
-      every MMA before the next (its note C7517; tests/kernels/test_compile_hopper.py checks for
-      such notes).
+      subnormal results to zero), which no one waits for. An added tile's lines are first
+      prefetched into L2 (``cp.async.bulk.prefetch``, one half-row a consumer thread) four row
+      blocks before its last MMA (MEGATRON_MOE_WGRAD_ADD), so its adds find them there: 1.11-1.17x
+      at 256 rows an expert, 1.00-1.03x at 1,024 (prefetched as the tile starts, 0.9x there; H100,
+      docs/performance.md, "The fp32 weight gradient's adds prefetched into L2"). A tile's steps
+      run in loops of their own (two, split where the prefetch goes): with the epilogue behind a
+      branch in the same loop, ptxas waited for every MMA before the next (its note C7517;
+      tests/kernels/test_compile_hopper.py checks for such notes).
 An expert without rows runs one all-masked block: its tiles get exact zeros.
 
 Measured on an H200 (docs/performance.md, "A Gluon weight gradient" and "The weight gradient's
@@ -184,8 +188,36 @@ if gluon is not None:
             gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
+    def _prefetch_l2(out_ptr, row0, col0, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """The lines of out's tile at (row0, col0) fetched into L2 (``cp.async.bulk.prefetch``, which
+        nothing waits for), so that the tile's adds at its end find them there: one half-row (512
+        bytes) per consumer thread. Only for full tiles (EVEN_N)."""
+        gl.static_assert(BLOCK_N == 256, "the prefetch's size (512 bytes) is half a row of 256 fp32")
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        item = gl.arange(0, 2 * BLOCK_K, layout=layout)
+        ptrs = out_ptr + (row0 + item // 2).to(gl.int64) * N + col0 + (item % 2) * (BLOCK_N // 2)
+        gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 512;\n\tmov.u32 $0, 0;", "=r,l",
+                                  [ptrs.to(gl.int64)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _mma_steps(s0, s1, acc, count, a_bufs, b_bufs, ready_bars, empty_bars, NUM_BUF: gl.constexpr):
+        """A tile's row blocks s0 .. s1 - 1 multiplied into acc, one MMA in flight; each block's slot
+        freed once the block after it is issued (the tile's first block: none before it)."""
+        for c_s in range(s0, s1):
+            slot = count % NUM_BUF
+            mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
+            fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+            a_t = a_bufs.index(slot).permute((1, 0))  # [BLOCK_K, BLOCK_S]
+            acc = warpgroup_mma(a_t, b_bufs.index(slot), acc, use_acc=c_s > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])  # the block before is multiplied: its slot is free
+            barrier()  # both warpgroups', before the one arrival
+            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=c_s > 0)
+            count += 1
+        return acc, count
+
+    @gluon.jit
     def _consumer(out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N,
-                  OUT_MODE: gl.constexpr, EVEN_N: gl.constexpr,
+                  OUT_MODE: gl.constexpr, EVEN_N: gl.constexpr, PREFETCH: gl.constexpr, AHEAD: gl.constexpr,
                   BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
                   NUM_WARPS: gl.constexpr):
         """The MMAs and the tiles' stores (OUT_MODE: 0 rounded to out's dtype through shared memory
@@ -200,18 +232,19 @@ if gluon is not None:
         # a while loop: Triton 3.6's Gluon did not carry seg_start / seg_end (reassigned in the body)
         # through a for loop here, and every tile ran the first tile's step count
         while c_i < my_tiles:
-            # the steps in a loop of their own: with the tile's epilogue behind a branch in the same
-            # loop, ptxas drained the MMAs at every step (its C7517 note: a wait injected at the loop's end)
-            for c_s in range(_steps(seg_start, seg_end, BLOCK_S)):
-                slot = count % NUM_BUF
-                mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
-                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
-                a_t = a_bufs.index(slot).permute((1, 0))  # [BLOCK_K, BLOCK_S]
-                acc = warpgroup_mma(a_t, b_bufs.index(slot), acc, use_acc=c_s > 0, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])  # the block before is multiplied: its slot is free
-                barrier()  # both warpgroups', before the one arrival
-                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=c_s > 0)
-                count += 1
+            # the steps in loops of their own: with the tile's epilogue behind a branch in the same
+            # loop, ptxas drained the MMAs at every step (its C7517 note: a wait injected at the loop's end).
+            # Two loops where the added tile's lines are prefetched into L2 AHEAD steps before its end
+            steps = _steps(seg_start, seg_end, BLOCK_S)
+            first = 0
+            if PREFETCH:
+                if AHEAD > 0:
+                    first = gl.maximum(steps - AHEAD, 0)
+            acc, count = _mma_steps(0, first, acc, count, a_bufs, b_bufs, ready_bars, empty_bars, NUM_BUF)
+            if PREFETCH:
+                e, pk, pn = _tile_kn(pid + c_i * nprog, tiles_e, tiles_n)
+                _prefetch_l2(out, e * K + pk * BLOCK_K, pn * BLOCK_N, N, BLOCK_K, BLOCK_N, NUM_WARPS)
+            acc, count = _mma_steps(first, steps, acc, count, a_bufs, b_bufs, ready_bars, empty_bars, NUM_BUF)
             acc = warpgroup_mma_wait(0, deps=[acc])
             barrier()
             mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
@@ -237,6 +270,7 @@ if gluon is not None:
         a_ptr, b_ptr, out, gather_a_ptr, gather_b_ptr, offsets_ptr,
         E, K, N, stride_am, stride_bm,
         HAS_GATHER_A: gl.constexpr, HAS_GATHER_B: gl.constexpr, EVEN_N: gl.constexpr, OUT_MODE: gl.constexpr,
+        PREFETCH: gl.constexpr, AHEAD: gl.constexpr,
         BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_S: gl.constexpr, NUM_BUF: gl.constexpr,
         NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
@@ -255,7 +289,7 @@ if gluon is not None:
             mbarrier.init(empty_bars.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (out, out_smem, offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars, E, K, N, OUT_MODE,
-                         EVEN_N, BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
+                         EVEN_N, PREFETCH, AHEAD, BLOCK_K, BLOCK_N, BLOCK_S, NUM_BUF, NUM_WARPS)),
             (_producer, (a_ptr, b_ptr, gather_a_ptr, gather_b_ptr, offsets_ptr, a_bufs, b_bufs, ready_bars,
                          empty_bars, E, K, N, stride_am, stride_bm, HAS_GATHER_A, HAS_GATHER_B, EVEN_N, BLOCK_K,
                          BLOCK_N, BLOCK_S, NUM_BUF, PRODUCER_WARPS)),
@@ -318,12 +352,17 @@ def grouped_wgrad_gluon(a_MK, b_MN, offsets_E1, *, gather_a_S=None, gather_b_S=N
         mode, out_arg = 2 if accumulate else 1, out  # stored from registers
     else:
         mode, out_arg = 0, TensorDescriptor(out, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], _out_layout())  # [E * K, N]
+    # an added tile's lines prefetched into L2 AHEAD row blocks before its end (0: as it starts);
+    # whole 256-column tiles only (the prefetch moves half-rows)
+    way = switches.wgrad_add() if mode == 2 and N % BLOCK_N == 0 else "atomic"
+    prefetch, ahead = way != "atomic", int(way[len("prefetch"):] or 0) if way != "atomic" else 0
     tiles = E * (K // BLOCK_K) * cdiv(N, BLOCK_N)
     launch(_grouped_wgrad_gluon_kernel, (min(tiles, num_sms(a_MK.device)),),
            (a_MK, b_MN, out_arg, gather_a_S if gather_a_S is not None else offsets_E1,
             gather_b_S if gather_b_S is not None else offsets_E1, offsets_E1, E, K, N, a_MK.stride(0), b_MN.stride(0)),
            dict(HAS_GATHER_A=gather_a_S is not None, HAS_GATHER_B=gather_b_S is not None, EVEN_N=N % BLOCK_N == 0,
-                OUT_MODE=mode, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF,
+                OUT_MODE=mode, PREFETCH=prefetch, AHEAD=ahead,
+                BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_S=BLOCK_S, NUM_BUF=NUM_BUF,
                 NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
                 num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, PRODUCER_WARPS)))
     return out

@@ -35,6 +35,10 @@
 |                         | or added into the trainer's master        | reduce-add or load-add-store)                 |
 |                         | gradients) where MEGATRON_MOE_GLUON_WGRAD |                                               |
 |                         | sends bf16 ones                           |                                               |
+| MEGATRON_MOE_WGRAD_ADD  | prefetch4: an fp32 weight gradient added | atomic: no prefetch; prefetch: at the tile's |
+|                         | by kernels/gluon_wgrad.py has its tile's  | start; prefetch8: eight blocks before its end |
+|                         | lines prefetched into L2 four 64-row      |                                               |
+|                         | blocks before the tile's last MMA         |                                               |
 | MEGATRON_MOE_GLUON_GEMM | a bf16 row-grouped GEMM (the up and down  | 0: the Triton kernel for every row-grouped    |
 |                         | projections, the input gradient) runs     | GEMM                                          |
 |                         | kernels/gluon_gemm.py's                   |                                               |
@@ -62,8 +66,8 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``gluon_gemm``, ``fused_router``,
-``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each
+each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``,
+``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each
 layer step (``router_dx_add``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
@@ -186,6 +190,20 @@ def gluon_wgrad_fp32() -> bool:
     """MEGATRON_MOE_GLUON_WGRAD_FP32 != "0": an fp32 weight gradient (new, written or added) runs
     kernels/gluon_wgrad.py's kernel where it takes the call (MEGATRON_MOE_GLUON_WGRAD on too)."""
     return getenv("MEGATRON_MOE_GLUON_WGRAD_FP32", "1") != "0"
+
+
+WGRAD_ADD_WAYS = ("prefetch4", "atomic", "prefetch", "prefetch8")  # the default first
+
+
+def wgrad_add() -> str:
+    """MEGATRON_MOE_WGRAD_ADD: how kernels/gluon_wgrad.py adds a tile into an fp32 gradient (relaxed
+    atomic adds, each way): "prefetch4" (default: the tile's lines prefetched into L2 four 64-row
+    blocks before the tile's last MMA), "prefetch8" (eight before), "prefetch" (as its MMAs start),
+    "atomic" (no prefetch)."""
+    value = getenv("MEGATRON_MOE_WGRAD_ADD", WGRAD_ADD_WAYS[0])
+    if value not in WGRAD_ADD_WAYS:
+        raise ValueError(f"MEGATRON_MOE_WGRAD_ADD={value!r}: expected one of {', '.join(WGRAD_ADD_WAYS)}")
+    return value
 
 
 def gluon_gemm() -> bool:

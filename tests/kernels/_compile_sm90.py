@@ -162,7 +162,15 @@ def scenarios():
         out = torch.zeros(3, 128, 96)  # fp32: written, then added (the trainer's master gradients)
         grouped_wgrad(a, b, offsets, gather_a_S=token, out=out)
         grouped_wgrad(a, b, offsets, gather_b_S=token, out=out, accumulate=True)
-    yield "Gluon weight gradient (gather on a, on b; bf16 new, fp32 written and added)", wgrad_gluon
+        from megatron_moe.kernels.switches import WGRAD_ADD_WAYS
+        b = torch.randn(256, 256, dtype=bf16)  # full tiles: the L2 prefetch of the added tile
+        out = torch.zeros(3, 128, 256)
+        for way in WGRAD_ADD_WAYS:
+            os.environ["MEGATRON_MOE_WGRAD_ADD"] = way
+            grouped_wgrad(a, b, offsets, gather_b_S=token, out=out, accumulate=True)
+        os.environ.pop("MEGATRON_MOE_WGRAD_ADD")
+    yield ("Gluon weight gradient (gather on a, on b; bf16 new, fp32 written and added, each MEGATRON_MOE_WGRAD_ADD)",
+           wgrad_gluon)
 
     def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ) and swiglu (gathered or sorted rows)
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)

@@ -12,6 +12,7 @@ import torch
 
 from megatron_moe.kernels import gluon_wgrad as GW
 from megatron_moe.kernels import grouped as G
+from megatron_moe.kernels.switches import WGRAD_ADD_WAYS
 
 bf16 = torch.bfloat16
 
@@ -131,13 +132,20 @@ def _on_gpu_sm90():
 @pytest.mark.parametrize("programs", ["one per SM", "three"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("gather", ["a", "b", "both", "none"])
-@pytest.mark.parametrize("output", ["bf16 new", "fp32 written", "fp32 added"])
+@pytest.mark.parametrize("output", ["bf16 new", "fp32 written", "fp32 added"]
+                         + [f"fp32 added, {way}" for way in WGRAD_ADD_WAYS[1:]])  # "fp32 added": the default way
 def test_gluon_wgrad_matches_float64_reference(case, gather, programs, output, monkeypatch):
     """With three programs each walks several tiles, of experts with different row counts (its
     producer's and consumer's step counts must agree tile by tile, or the ring deadlocks). fp32:
-    written over what out held, or added to it (out + dw rounded once to fp32)."""
+    written over what out held, or added to it (out + dw rounded once to fp32), each way of adding
+    (MEGATRON_MOE_WGRAD_ADD; its L2 prefetch runs where the columns fill whole tiles)."""
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    added = output.startswith("fp32 added")
+    if ", " in output:
+        monkeypatch.setenv("MEGATRON_MOE_WGRAD_ADD", output.split(", ")[1])
+    else:
+        monkeypatch.delenv("MEGATRON_MOE_WGRAD_ADD", raising=False)
     if programs == "three":
         monkeypatch.setattr(GW, "num_sms", lambda device: 3)
     S, K, N, counts = CASES[case]
@@ -156,13 +164,13 @@ def test_gluon_wgrad_matches_float64_reference(case, gather, programs, output, m
     before = None
     if output != "bf16 new":
         before = torch.randn(want.shape, generator=gen).cuda() * 10  # [E, K, N] fp32, partly cancelling the sums
-        kw.update(out=before.clone(), accumulate=output == "fp32 added")
+        kw.update(out=before.clone(), accumulate=added)
     assert GW.supported(a, b, offsets, **kw), "the Gluon kernel must take this call"
     got = G.grouped_wgrad(a, b, offsets, **kw)
     assert got.shape == want.shape and got.dtype == (bf16 if before is None else torch.float32)
     if before is not None:
         assert got.data_ptr() == kw["out"].data_ptr(), "an fp32 gradient goes into the out given"
-    if output == "fp32 added":
+    if added:
         want = want + before.double()
     # bf16's rounding of each sum (at most 2^-8 of it; fp32's 2^-24), and the tensor cores' fp32
     # accumulation in another order than the reference's (1e-4 of the largest sum)
@@ -172,7 +180,7 @@ def test_gluon_wgrad_matches_float64_reference(case, gather, programs, output, m
     assert (err <= bound).all(), f"max error {err.max().item():.3e}, {(err > bound).sum().item()} elements over"
     for e, n in enumerate(counts):
         if n == 0:  # exact zeros, or what out held, unchanged
-            empty = torch.zeros_like(got[e]) if output != "fp32 added" else before[e]
+            empty = before[e] if added else torch.zeros_like(got[e])
             assert torch.equal(got[e], empty), f"expert {e} has no rows: its gradient must be exact zeros"
 
 
@@ -242,3 +250,24 @@ def test_grouped_wgrad_bad_shapes_get_its_own_error(monkeypatch):
     a, b = torch.zeros(10, dtype=bf16), torch.zeros(10, 128, dtype=bf16)
     with pytest.raises(ValueError, match="expected 2-D a and b"):
         G.grouped_wgrad(a, b, torch.tensor([0, 10], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("way, N, want", [("prefetch4", 256, (True, 4)), ("prefetch8", 512, (True, 8)),
+                                          ("prefetch", 256, (True, 0)), ("atomic", 256, (False, 0)),
+                                          ("prefetch4", 160, (False, 0))])
+def test_the_add_way_sets_the_kernels_prefetch(monkeypatch, way, N, want):
+    """MEGATRON_MOE_WGRAD_ADD reaches the kernel as (PREFETCH, AHEAD), for an added fp32 gradient
+    whose columns fill whole tiles only (the prefetch moves half-rows of a 256-column tile); a new or
+    written gradient never prefetches."""
+    launched = []
+    monkeypatch.setattr(GW, "launch", lambda kernel, grid, args, kwargs: launched.append(kwargs))
+    monkeypatch.setattr(GW, "num_sms", lambda device: 132)
+    monkeypatch.setenv("MEGATRON_MOE_WGRAD_ADD", way)
+    a, b = torch.zeros(300, 128, dtype=bf16), torch.zeros(300, N, dtype=bf16)
+    offsets = torch.tensor([0, 100, 300], dtype=torch.int32)
+    out = torch.zeros(2, 128, N)
+    GW.grouped_wgrad_gluon(a, b, offsets, out=out, accumulate=True)
+    GW.grouped_wgrad_gluon(a, b, offsets, out=out)
+    added, written = launched
+    assert (added["PREFETCH"], added["AHEAD"]) == want
+    assert written["PREFETCH"] is False and added["OUT_MODE"] == 2 and written["OUT_MODE"] == 1

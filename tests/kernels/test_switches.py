@@ -49,3 +49,14 @@ def test_switch_functions_see_a_setting(monkeypatch):
     with switches.setting("MEGATRON_MOE_ROUTER_GEMM", True):
         assert switches.router_gemm()
     assert os.environ["MEGATRON_MOE_ROUTER_GEMM"] == "0"
+
+
+def test_wgrad_add_takes_its_ways_and_names_the_fix_for_others(monkeypatch):
+    monkeypatch.delenv("MEGATRON_MOE_WGRAD_ADD", raising=False)
+    assert switches.wgrad_add() == "prefetch4"
+    for way in switches.WGRAD_ADD_WAYS:
+        monkeypatch.setenv("MEGATRON_MOE_WGRAD_ADD", way)
+        assert switches.wgrad_add() == way
+    monkeypatch.setenv("MEGATRON_MOE_WGRAD_ADD", "prefetch3")
+    with pytest.raises(ValueError, match="MEGATRON_MOE_WGRAD_ADD='prefetch3': expected one of prefetch4, atomic"):
+        switches.wgrad_add()
