@@ -158,13 +158,11 @@ def test_router_step_is_five_launches():
     when the tokens are split over programs, not at this size), none of the ~40 element-wise
     torch ops of the plain router nor the ~10 of the logits' bf16 parts through torch (their host
     time is what the fusion removes)."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[2] / "benchmarks" / "count_launches.py"
-    spec = importlib.util.spec_from_file_location("count_launches", path)
-    count_launches = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(count_launches)
+    from _util import load_script
+
+    count_launches = load_script(Path(__file__).parents[2] / "benchmarks" / "count_launches.py")
     res = count_launches.layer_counts("triton_grouped", (40, 16, 32, 8, 2), DEVICE, torch.bfloat16)
     fwd, bwd = res["router fwd"], res["router bwd"]
     assert fwd["triton_names"] == ["_logits_kernel", "_route_fwd_kernel", "_route_sum_kernel"]
