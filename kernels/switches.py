@@ -35,7 +35,7 @@
 |                         | or added into the trainer's master        | reduce-add or load-add-store)                 |
 |                         | gradients) where MEGATRON_MOE_GLUON_WGRAD |                                               |
 |                         | sends bf16 ones                           |                                               |
-| MEGATRON_MOE_WGRAD_ADD  | prefetch4: an fp32 weight gradient added | atomic: no prefetch; prefetch: at the tile's |
+| MEGATRON_MOE_WGRAD_ADD  | prefetch4: an fp32 weight gradient added  | atomic: no prefetch; prefetch: at the tile's  |
 |                         | by kernels/gluon_wgrad.py has its tile's  | start; prefetch8: eight blocks before its end |
 |                         | lines prefetched into L2 four 64-row      |                                               |
 |                         | blocks before the tile's last MMA         |                                               |
@@ -67,8 +67,8 @@ single config never goes through the autotuner, which in some Triton versions be
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
 each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``,
-``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``, ``fast_launch``) or at each
-layer step (``router_dx_add``) or at each new tuning
+``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``,
+``fast_launch``) or at each layer step (``router_dx_add``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
 go through :func:`getenv`, ``os.environ.get`` without its per-call encoding (a layer step reads
