@@ -6,6 +6,7 @@ the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down
     python benchmarks/bench_gluon.py                       # the table
     python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, wgrad-fp32, gemm, dact)
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
+    python benchmarks/bench_gluon.py --only dact --dact-tiles 128x128x128x3,64x256x64x4  # tiles beside the default
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
@@ -66,11 +67,47 @@ DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, acti
 }
 
 
+def dact_smem(tile, act):
+    """Shared memory of the ping-pong activation backward with tile (rows, columns, step, slots)."""
+    bm, bn, bk, slots = tile
+    return slots * (bm + bn) * bk * 2 + bm * bn * 2 * (2 if act == "swiglu" else 1)
+
+
+def dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, do_bench):
+    """Each tile's median ms over three rounds alternated with the default tile's, and its results'
+    largest differences from the default's (dpre, Σ g·act(pre))."""
+    import torch
+
+    default = gluon_dact.tile_for(act, dy.shape[1])
+    fresh = torch.randn_like(pre)  # pre itself holds what the timed calls wrote over it (SwiGLU's overflows)
+    ref = gluon_dact.grouped_gemm_dact_pingpong(dy, w, offsets, fresh, act, **kw)
+    out = {}
+    for tile in [default] + tiles:
+        got = gluon_dact.grouped_gemm_dact_pingpong(dy, w, offsets, fresh, act, tile=tile, **kw)
+        out["x".join(map(str, tile))] = dict(
+            ms=[], dpre_diff=(got[0].float() - ref[0].float()).abs().max().item(),
+            dscale_diff=(got[1] - ref[1]).abs().max().item())
+    for _ in range(3):
+        for tile in [default] + tiles:
+            out["x".join(map(str, tile))]["ms"].append(do_bench(lambda: gluon_dact.grouped_gemm_dact_pingpong(
+                dy, w, offsets, pre, act, inplace=True, tile=tile, **kw)))
+    base = sorted(out["x".join(map(str, default))]["ms"])[1]
+    for name, r in out.items():
+        r["median_ms"] = sorted(r["ms"])[1]
+        print(f"    tile {name:<14} {r['median_ms']:8.3f} ms  {base / r['median_ms']:5.2f}x  "
+              f"dpre diff {r['dpre_diff']:.3g}  dscale diff {r['dscale_diff']:.3g}", flush=True)
+    torch.cuda.synchronize()
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--only", help="wgrad, wgrad-fp32, wgrad-add, gemm or dact, or a comma list (default: all "
                                    "but wgrad-add)")
+    ap.add_argument("--dact-tiles", default="", help="the activation's backward with these tiles too (rows x "
+                    "columns x step x ring slots, a comma list), alternated with the default in three rounds; "
+                    "each one's largest difference from the default's results")
     args = ap.parse_args(argv)
     kinds = set((args.only or "wgrad,wgrad-fp32,gemm,dact").split(","))
 
@@ -193,6 +230,10 @@ def main(argv=None) -> None:
         rows.append(dict(kind="dact", shape=name, rows=S, experts=E, K=K, N=N, activation=act, ms=ms, tflops=tflops))
         print(f"{name + ' dact':<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} "
               f"{tflops['gluon']:11.0f} {tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.dact_tiles.split(",") if t]
+        tiles = [t for t in tiles if N % t[1] == 0 and K % t[2] == 0 and dact_smem(t, act) <= 227 * 1024]
+        if tiles:
+            rows[-1]["tiles"] = dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, triton.testing.do_bench)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -15,8 +15,9 @@ epilogue (the pre-activation's read and dpre's write, 0.5-0.8 GB at the SwiGLU s
 its MMAs. Here it does: 1.00-1.30x the Triton kernel at seven shapes, sonic-4096 level, sonic-1536
 1.30x (``benchmarks/bench_gluon.py --only dact``, H200, 2026-12-03).
 Each program (one per SM) walks its tiles i = pid, pid + grid, ...:
-  producer (4 warps): per tile, per 64-deep step, the TMA load of w's [128, 64] block of its
-      [E * N, K] storage and the cp.async of a's 128 gathered rows into a ring of NUM_BUF slots;
+  producer (4 warps): per tile, per step of the reduction (64 deep; gelu 128 where K allows: TILE),
+      the TMA load of w's [128, step] block of its [E * N, K] storage and the cp.async of a's 128
+      gathered rows into a ring of slots;
   consumer c (one warpgroup each, c = 0, 1): the tiles i with i % 2 == c, a [128, 128] fp32
       accumulator. The consumers take turns at the ring: c multiplies tile i only once the other's
       MMAs of tile i - 1 are done, so the ring's slots are read in step order (a parity wait on a
@@ -24,8 +25,9 @@ Each program (one per SM) walks its tiles i = pid, pid + grid, ...:
       pre-activation buffer (swiglu: gate and up, 64 KB): after its MMAs, c loads its tile's
       pre-activation there by TMA, runs the epilogue in place and stores dpre from it (TMA; the
       expert's last, partial tile from registers, its rows masked), all under the other's MMAs. One
-      buffer rather than one per consumer leaves room for a ring of 5 slots (swiglu; gelu 6), which
-      is where the speed came from: with two buffers and 3 slots the kernel was 0.91-1.12x Triton's.
+      buffer rather than one per consumer leaves room for a ring of 5 slots (swiglu; gelu 3 of
+      128-deep steps), which is where the speed came from: with two buffers and 3 slots of 64-deep
+      steps the kernel was 0.91-1.12x Triton's.
 """
 from __future__ import annotations
 
@@ -38,8 +40,20 @@ from ._gluon import (TensorDescriptor, available, barrier, fence_async_shared, g
 from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
-NUM_BUF = {"swiglu": 5, "gelu": 6}  # the ring's slots: 32 KB each beside the pre-activation's 64 / 32 KB
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # what every call's shape must divide (K by BLOCK_K, N by BLOCK_N)
+# a consumer's tile and the ring: (rows, columns, reduction step, slots). Shared memory holds
+# slots * (rows + columns) * step * 2 bytes of ring beside the pre-activation's rows * columns * 2
+# (gelu) or * 4 (swiglu): 224 KB each. GELU takes 128-deep steps where K allows: 1.01-1.05x the
+# 64-deep ring of six slots at its three shapes (H100, docs/performance.md, "The activation
+# backward's tile"); SwiGLU's 64 KB pre-activation leaves room for two such slots only.
+TILE = {"swiglu": (128, 128, 64, 5), "gelu": (128, 128, 128, 3)}
+TILE_K64 = {"swiglu": (128, 128, 64, 5), "gelu": (128, 128, 64, 6)}  # K an odd multiple of 64
+
+
+def tile_for(activation, K):
+    """The tile :func:`grouped_gemm_dact_pingpong` runs at reduction K (a multiple of BLOCK_K)."""
+    tile = TILE[activation]
+    return tile if K % tile[2] == 0 else TILE_K64[activation]
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 if gluon is not None:
@@ -237,25 +251,28 @@ def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, sca
 
 
 def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None,
-                               inplace=False):
+                               inplace=False, tile=None):
     """``grouped_gemm_dact``'s result (dpre, Σ_n g·act(pre)), within what :func:`supported` takes
-    (checked there, not here). Not ``inplace``: pre is copied first and the copy overwritten."""
+    (checked there, not here). Not ``inplace``: pre is copied first and the copy overwritten.
+    ``tile``: (rows, columns, step, slots) in place of :func:`tile_for`'s (benchmarks; the columns
+    must divide N, the step K)."""
     S, K = pre_SX.shape[0], a_MK.shape[1]
     E, _, N = w_EKN.shape
+    block_m, block_n, block_k, num_buf = tile or tile_for(activation, K)
     dev = a_MK.device
     dpre = pre_SX if inplace else pre_SX.clone()
-    num_slots = cdiv(N, BLOCK_N)
+    num_slots = cdiv(N, block_n)
     dscale_part = torch.empty(S, num_slots, device=dev, dtype=torch.float32)
-    tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
-    w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], shared_layout(BLOCK_N, BLOCK_K))
-    pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [BLOCK_M, BLOCK_N],
-                                shared_layout(BLOCK_M, BLOCK_N))
+    tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S, block_m)
+    w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [block_n, block_k], shared_layout(block_n, block_k))
+    pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [block_m, block_n],
+                                shared_layout(block_m, block_n))
     launch(_grouped_gemm_dact_pingpong_kernel, (num_sms(dev),),
            (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
             scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
             dpre.stride(0), num_slots),
            dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF[activation],
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_BUF=num_buf,
                 PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
                 maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
     return dpre, dscale_part.sum(1)

@@ -444,34 +444,34 @@ def transposed_view(w_EKN) -> bool:
     return w_EKN.transpose(1, 2).is_contiguous() and not w_EKN.is_contiguous()
 
 
-def tile_table(offsets_E1, max_rows):
-    """Per 128-row tile (each expert's from its first row, experts in order): its expert, first
-    row and the expert's end, over a bound of cdiv(S, BLOCK_M) + E tiles; and the number of tiles,
+def tile_table(offsets_E1, max_rows, block_m=BLOCK_M):
+    """Per block_m-row tile (each expert's from its first row, experts in order): its expert, first
+    row and the expert's end, over a bound of cdiv(S, block_m) + E tiles; and the number of tiles,
     a one-element tensor. int32, on the device, no host read: one Triton launch, a program per
     _TABLE_BLOCK_T tiles (on the CPU without the interpreter, :func:`tile_table_reference`'s torch
     ops; on a GPU those were ~20 launches per call, measured in docs/performance.md)."""
     if not use_triton(offsets_E1):
-        return tile_table_reference(offsets_E1, max_rows)
+        return tile_table_reference(offsets_E1, max_rows, block_m)
     E = offsets_E1.shape[0] - 1
-    num_tiles = cdiv(max_rows, BLOCK_M) + E
+    num_tiles = cdiv(max_rows, block_m) + E
     dev = offsets_E1.device
     tile_e, tile_row, tile_end = (torch.empty(num_tiles, device=dev, dtype=torch.int32) for _ in range(3))
     num_m = torch.empty(1, device=dev, dtype=torch.int32)
     launch(_tile_table_kernel, (cdiv(num_tiles, _TABLE_BLOCK_T),), (offsets_E1, tile_e, tile_row, tile_end, num_m,
                                                                     E, num_tiles),
-           dict(BLOCK_M=BLOCK_M, BLOCK_E=max(2, next_power_of_2(E)), BLOCK_T=_TABLE_BLOCK_T))
+           dict(BLOCK_M=block_m, BLOCK_E=max(2, next_power_of_2(E)), BLOCK_T=_TABLE_BLOCK_T))
     return tile_e, tile_row, tile_end, num_m
 
 
-def tile_table_reference(offsets_E1, max_rows):
+def tile_table_reference(offsets_E1, max_rows, block_m=BLOCK_M):
     """:func:`tile_table` in torch ops (about twenty of them)."""
     E = offsets_E1.shape[0] - 1
     bounds = offsets_E1.long()
-    m_tiles = (bounds[1:] - bounds[:-1] + BLOCK_M - 1) // BLOCK_M
+    m_tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
     ends = torch.cumsum(m_tiles, 0)  # each expert's tiles end here
-    tile = torch.arange(cdiv(max_rows, BLOCK_M) + E, device=offsets_E1.device)
+    tile = torch.arange(cdiv(max_rows, block_m) + E, device=offsets_E1.device)
     tile_e = torch.searchsorted(ends, tile, right=True).clamp_max(E - 1)  # past the last tile: unused
-    tile_row = bounds[tile_e] + (tile - (ends - m_tiles)[tile_e]) * BLOCK_M
+    tile_row = bounds[tile_e] + (tile - (ends - m_tiles)[tile_e]) * block_m
     return (tile_e.to(torch.int32), tile_row.to(torch.int32), bounds[tile_e + 1].to(torch.int32),
             ends[-1:].to(torch.int32))
 

@@ -189,6 +189,10 @@ def scenarios():
         for activation, width in (("swiglu", 512), ("gelu", 256)):
             pre = torch.randn(256, width, dtype=bf16)
             grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre, activation, gather_S=token, scale_S=weight)
+        # gelu's ring of 64-deep steps, where K is an odd multiple of 64 (128 takes 128-deep steps)
+        dy, w2 = torch.randn(40, 192, dtype=bf16), torch.randn(3, 256, 192, dtype=bf16)
+        grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, torch.randn(256, 256, dtype=bf16), "gelu", gather_S=token,
+                          scale_S=weight)
     yield "Gluon activation backward (ping-pong)", dact_gluon
 
     def permutation():

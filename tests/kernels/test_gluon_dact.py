@@ -92,6 +92,17 @@ def test_grouped_gemm_dact_sends_what_the_kernel_takes_there(monkeypatch):
         G.grouped_gemm_dact(*args[:3], args[3][:, :256], "swiglu", **kw)
 
 
+@pytest.mark.parametrize("activation, K, step", [("gelu", 128, 128), ("gelu", 2048, 128), ("gelu", 192, 64),
+                                                 ("gelu", 64, 64), ("swiglu", 128, 64), ("swiglu", 192, 64)])
+def test_tile_for_takes_gelus_deep_steps_where_k_allows(activation, K, step):
+    """GELU's ring of 128-deep steps where they divide K, else 64-deep ones; every tile fits the
+    227 KB of an SM's shared memory beside its pre-activation buffer, and its step divides K."""
+    rows, cols, got_step, slots = GD.tile_for(activation, K)
+    assert got_step == step and K % got_step == 0 and (rows, cols) == (GD.BLOCK_M, GD.BLOCK_N)
+    pre_bytes = rows * cols * 2 * (2 if activation == "swiglu" else 1)
+    assert slots * (rows + cols) * got_step * 2 + pre_bytes <= 227 * 1024 and slots >= 3
+
+
 # ----------------------------------------------------------------------------------------------
 # The kernel (GPU)
 # ----------------------------------------------------------------------------------------------
@@ -171,3 +182,28 @@ def test_pingpong_dact_matches_float64_reference(case, activation, gathered, mon
     # against the Triton kernel (the one the layer runs)
     tri, tri_s = G.grouped_gemm_dact_triton(*args, gather_S=token, scale_S=scale)
     assert (dpre.float() - tri.float()).abs().max() <= 2e-2 * tri.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["rows not a multiple of 128, short and long experts",
+                                  "long K, several tiles a program"])
+def test_gelus_deep_and_shallow_rings_give_the_same_bits(case, monkeypatch):
+    """The 128-deep ring of three slots (GELU's default where K allows) and the 64-deep ring of six
+    sum each output in the same order: the same dpre and Σ g·act(pre), bit for bit."""
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM", raising=False)
+    monkeypatch.delenv("MEGATRON_MOE_GLUON_DACT", raising=False)
+    if not _on_gpu_sm90():
+        pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    K, N, counts = CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    S, E = sum(counts), len(counts)
+    dy = torch.randn(40, K, generator=gen).to(bf16).cuda()
+    w2 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).to(bf16).cuda().transpose(1, 2)
+    pre = torch.randn(S, N, generator=gen).to(bf16).cuda()
+    kw = dict(gather_S=torch.randint(0, 40, (S,), generator=gen).to(torch.int32).cuda(),
+              scale_S=torch.rand(S, generator=gen).cuda())
+    assert GD.tile_for("gelu", K)[2] == 128
+    deep = GD.grouped_gemm_dact_pingpong(dy, w2, _offsets(counts, "cuda"), pre, "gelu", **kw)
+    shallow = GD.grouped_gemm_dact_pingpong(dy, w2, _offsets(counts, "cuda"), pre, "gelu",
+                                            tile=GD.TILE_K64["gelu"], **kw)
+    assert torch.equal(deep[0], shallow[0]) and torch.equal(deep[1], shallow[1])
