@@ -67,31 +67,25 @@ DACT_SHAPES = {  # name: (rows S, experts E, K = hidden, N = ffn, tokens T, acti
 }
 
 
-def dact_smem(tile, act):
-    """Shared memory of the ping-pong activation backward with tile (rows, columns, step, slots)."""
-    bm, bn, bk, slots = tile
-    return slots * (bm + bn) * bk * 2 + bm * bn * 2 * (2 if act == "swiglu" else 1)
-
-
 def dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, do_bench):
     """Each tile's median ms over three rounds alternated with the default tile's, and its results'
     largest differences from the default's (dpre, Σ g·act(pre))."""
     import torch
 
-    default = gluon_dact.tile_for(act, dy.shape[1])
+    tiles = [gluon_dact.tile_for(act, dy.shape[1])] + tiles  # the default first
+    names = ["x".join(map(str, tile)) for tile in tiles]
     fresh = torch.randn_like(pre)  # pre itself holds what the timed calls wrote over it (SwiGLU's overflows)
     ref = gluon_dact.grouped_gemm_dact_pingpong(dy, w, offsets, fresh, act, **kw)
     out = {}
-    for tile in [default] + tiles:
+    for name, tile in zip(names, tiles):
         got = gluon_dact.grouped_gemm_dact_pingpong(dy, w, offsets, fresh, act, tile=tile, **kw)
-        out["x".join(map(str, tile))] = dict(
-            ms=[], dpre_diff=(got[0].float() - ref[0].float()).abs().max().item(),
-            dscale_diff=(got[1] - ref[1]).abs().max().item())
+        out[name] = dict(ms=[], dpre_diff=(got[0].float() - ref[0].float()).abs().max().item(),
+                         dscale_diff=(got[1] - ref[1]).abs().max().item())
     for _ in range(3):
-        for tile in [default] + tiles:
-            out["x".join(map(str, tile))]["ms"].append(do_bench(lambda: gluon_dact.grouped_gemm_dact_pingpong(
+        for name, tile in zip(names, tiles):
+            out[name]["ms"].append(do_bench(lambda: gluon_dact.grouped_gemm_dact_pingpong(
                 dy, w, offsets, pre, act, inplace=True, tile=tile, **kw)))
-    base = sorted(out["x".join(map(str, default))]["ms"])[1]
+    base = sorted(out[names[0]]["ms"])[1]
     for name, r in out.items():
         r["median_ms"] = sorted(r["ms"])[1]
         print(f"    tile {name:<14} {r['median_ms']:8.3f} ms  {base / r['median_ms']:5.2f}x  "
@@ -231,7 +225,7 @@ def main(argv=None) -> None:
         print(f"{name + ' dact':<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} "
               f"{tflops['gluon']:11.0f} {tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
         tiles = [tuple(int(v) for v in t.split("x")) for t in args.dact_tiles.split(",") if t]
-        tiles = [t for t in tiles if N % t[1] == 0 and K % t[2] == 0 and dact_smem(t, act) <= 227 * 1024]
+        tiles = [t for t in tiles if N % t[1] == 0 and K % t[2] == 0 and gluon_dact.smem_bytes(t, act) <= 227 * 1024]
         if tiles:
             rows[-1]["tiles"] = dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, triton.testing.do_bench)
     if args.out:

@@ -41,20 +41,26 @@ from .gluon_gemm import shared_layout, tile_table, transposed_view
 from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # what every call's shape must divide (K by BLOCK_K, N by BLOCK_N)
-# a consumer's tile and the ring: (rows, columns, reduction step, slots). Shared memory holds
-# slots * (rows + columns) * step * 2 bytes of ring beside the pre-activation's rows * columns * 2
-# (gelu) or * 4 (swiglu): 224 KB each. GELU takes 128-deep steps where K allows: 1.01-1.05x the
-# 64-deep ring of six slots at its three shapes (H100, docs/performance.md, "The activation
-# backward's tile"); SwiGLU's 64 KB pre-activation leaves room for two such slots only.
+# a consumer's tile and the ring: (rows, columns, reduction step, slots), 224 KB of shared memory
+# each (smem_bytes). GELU takes 128-deep steps where K allows: 1.01-1.05x the 64-deep ring of six
+# slots at its three shapes (H100, docs/performance.md, "The activation backward's tile"); SwiGLU's
+# 64 KB pre-activation leaves room for two such slots only.
 TILE = {"swiglu": (128, 128, 64, 5), "gelu": (128, 128, 128, 3)}
 TILE_K64 = {"swiglu": (128, 128, 64, 5), "gelu": (128, 128, 64, 6)}  # K an odd multiple of 64
+PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
 
 
 def tile_for(activation, K):
     """The tile :func:`grouped_gemm_dact_pingpong` runs at reduction K (a multiple of BLOCK_K)."""
     tile = TILE[activation]
     return tile if K % tile[2] == 0 else TILE_K64[activation]
-PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
+
+
+def smem_bytes(tile, activation):
+    """The kernel's shared memory with tile (rows, columns, step, slots): the ring's slots of a's
+    and w's blocks beside the one pre-activation buffer (swiglu: gate and up)."""
+    rows, cols, step, slots = tile
+    return slots * (rows + cols) * step * 2 + rows * cols * 2 * (2 if activation == "swiglu" else 1)
 
 if gluon is not None:
     from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_head, tile_mn

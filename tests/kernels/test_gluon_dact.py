@@ -97,10 +97,16 @@ def test_grouped_gemm_dact_sends_what_the_kernel_takes_there(monkeypatch):
 def test_tile_for_takes_gelus_deep_steps_where_k_allows(activation, K, step):
     """GELU's ring of 128-deep steps where they divide K, else 64-deep ones; every tile fits the
     227 KB of an SM's shared memory beside its pre-activation buffer, and its step divides K."""
-    rows, cols, got_step, slots = GD.tile_for(activation, K)
+    tile = rows, cols, got_step, slots = GD.tile_for(activation, K)
     assert got_step == step and K % got_step == 0 and (rows, cols) == (GD.BLOCK_M, GD.BLOCK_N)
-    pre_bytes = rows * cols * 2 * (2 if activation == "swiglu" else 1)
-    assert slots * (rows + cols) * got_step * 2 + pre_bytes <= 227 * 1024 and slots >= 3
+    assert GD.smem_bytes(tile, activation) <= 227 * 1024 and slots >= 3
+
+
+def test_smem_bytes_counts_the_ring_and_the_pre_activation_buffer():
+    """(128 + 128) rows of 64 bf16 a slot; the pre-activation's 128 x 128 bf16 (swiglu: two)."""
+    assert GD.smem_bytes((128, 128, 64, 6), "gelu") == 6 * 32768 + 32768
+    assert GD.smem_bytes((128, 128, 128, 3), "gelu") == 3 * 65536 + 32768
+    assert GD.smem_bytes((64, 256, 64, 4), "swiglu") == 4 * 40960 + 65536
 
 
 # ----------------------------------------------------------------------------------------------
