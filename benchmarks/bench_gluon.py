@@ -7,7 +7,6 @@ the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down
     python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, wgrad-fp32, gemm, dact)
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
     python benchmarks/bench_gluon.py --only dact --dact-tiles 128x128x128x3,64x256x64x4  # tiles beside the default
-    python benchmarks/bench_gluon.py --only dact --dact-tiles 128x256x64x3xcoop  # the cooperative kernel (GELU)
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
@@ -225,9 +224,8 @@ def main(argv=None) -> None:
         rows.append(dict(kind="dact", shape=name, rows=S, experts=E, K=K, N=N, activation=act, ms=ms, tflops=tflops))
         print(f"{name + ' dact':<16} {ms['gluon']:9.3f} {ms['triton']:10.3f} {ms['cutlass']:11.3f} "
               f"{tflops['gluon']:11.0f} {tflops['triton']:12.0f} {tflops['cutlass']:13.0f}", flush=True)
-        tiles = [tuple(v if v == "coop" else int(v) for v in t.split("x")) for t in args.dact_tiles.split(",") if t]
-        tiles = [t for t in tiles if N % t[1] == 0 and K % t[2] == 0 and gluon_dact.smem_bytes(t, act) <= 227 * 1024
-                 and not (gluon_dact.is_coop(t) and act != "gelu")]
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.dact_tiles.split(",") if t]
+        tiles = [t for t in tiles if N % t[1] == 0 and K % t[2] == 0 and gluon_dact.smem_bytes(t, act) <= 227 * 1024]
         if tiles:
             rows[-1]["tiles"] = dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, triton.testing.do_bench)
     if args.out:

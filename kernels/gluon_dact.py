@@ -57,16 +57,10 @@ def tile_for(activation, K):
 
 
 def smem_bytes(tile, activation):
-    """The kernel's shared memory with tile (rows, columns, step, slots[, "coop"]): the ring's slots
-    of a's and w's blocks beside the one pre-activation buffer (swiglu: gate and up); cooperative
-    ("coop", GELU): columns the two consumers' together, a buffer of half of them each."""
-    rows, cols, step, slots = tile[:4]
+    """The kernel's shared memory with tile (rows, columns, step, slots): the ring's slots of a's
+    and w's blocks beside the one pre-activation buffer (swiglu: gate and up)."""
+    rows, cols, step, slots = tile
     return slots * (rows + cols) * step * 2 + rows * cols * 2 * (2 if activation == "swiglu" else 1)
-
-
-def is_coop(tile) -> bool:
-    """Whether ``tile`` names the cooperative kernel (a fifth field "coop")."""
-    return len(tile) > 4 and tile[4] == "coop"
 
 if gluon is not None:
     from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_head, tile_mn
@@ -101,52 +95,6 @@ if gluon is not None:
         return gl.sum(acc * act, axis=1)
 
     @gluon.jit
-    def _finish_tile(acc, h_smem, up_smem, pre_desc, pre_ptr, dscale_ptr, scale, rows, row0, row_end, n0, N,
-                     stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr):
-        """A consumer's tile once its pre-activation is in h_smem (swiglu: and up_smem): the epilogue
-        there, Σ_n g·act(pre) of its BLOCK_N columns into slot n0 // BLOCK_N of dscale_ptr's rows,
-        dpre stored from the buffer (TMA; the expert's last, partial tile from registers, its rows
-        masked), returning once the stores have read the buffer."""
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes a thread
-        # the epilogue in eighths of the columns, one after the other (registers: the whole tile's
-        # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's parts
-        # are its own registers, the pre-activation's parts slices of the buffers; each part's
-        # dpre goes back over the slices it was read from (the same layout: each thread writes
-        # what it read), which also keeps the next part's loads behind this part's stores
-        a0, a1 = acc.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute((0, 2, 1)).split()
-        b0, b1 = a0.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
-        b2, b3 = a1.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
-        c0, c1 = b0.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
-        c2, c3 = b1.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
-        c4, c5 = b2.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
-        c6, c7 = b3.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
-        P: gl.constexpr = BLOCK_N // 8
-        p_layout: gl.constexpr = c0.type.layout
-        parts = (c0, c1, c2, c3, c4, c5, c6, c7)
-        row_sum = _epilogue_part(parts[0], h_smem.slice(0, P, dim=1), up_smem.slice(0, P, dim=1), scale, SWIGLU,
-                                 HAS_SCALE, p_layout)
-        for j in gl.static_range(1, 8):
-            row_sum += _epilogue_part(parts[j], h_smem.slice(j * P, P, dim=1), up_smem.slice(j * P, P, dim=1),
-                                      scale, SWIGLU, HAS_SCALE, p_layout)
-        gl.store(dscale_ptr + rows.to(gl.int64) * num_slots + n0 // BLOCK_N,
-                 gl.convert_layout(row_sum, rows.type.layout), mask=rows < row_end)
-        if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA
-            fence_async_shared()
-            tma_store(pre_desc, [row0, n0], h_smem)
-            if SWIGLU:
-                tma_store(pre_desc, [row0, N + n0], up_smem)
-        else:  # the expert's last tile: its rows only, read back 16 bytes a thread
-            barrier()
-            X = N * (2 if SWIGLU else 1)
-            store_rows(pre_ptr, h_smem.load(store_layout), row0, row_end, n0, X, stride_pm, BLOCK_M, BLOCK_N,
-                       store_layout)
-            if SWIGLU:
-                store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
-                           BLOCK_N, store_layout)
-        tma.store_wait(0)  # the stores have read the buffer
-
-    @gluon.jit
     def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                   tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N,
                   stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -155,6 +103,7 @@ if gluon is not None:
         flight), then its turn at the pre-activation's buffer, the epilogue there, dpre stored from it."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16 bytes a thread
         NUM_PRE: gl.constexpr = 2 if SWIGLU else 1
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
         k_steps = gl.cdiv(K, BLOCK_K)
@@ -195,9 +144,43 @@ if gluon is not None:
             if SWIGLU:
                 tma_load(pre_desc, [row0, N + n0], pre_bar, up_smem)
             mbarrier.wait(pre_bar, (i // 2) & 1)
-            _finish_tile(acc, h_smem, up_smem, pre_desc, pre_ptr, dscale_ptr, scale, rows, row0, row_end, n0, N,
-                         stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N)
-            fence_async_shared()  # this consumer's writes of the buffer before the other's TMA load
+            # the epilogue in eighths of the columns, one after the other (registers: the whole tile's
+            # gradient, gate and up beside the accumulator spilled kilobytes): the accumulator's parts
+            # are its own registers, the pre-activation's parts slices of the buffers; each part's
+            # dpre goes back over the slices it was read from (the same layout: each thread writes
+            # what it read), which also keeps the next part's loads behind this part's stores
+            a0, a1 = acc.reshape([BLOCK_M, 2, BLOCK_N // 2]).permute((0, 2, 1)).split()
+            b0, b1 = a0.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
+            b2, b3 = a1.reshape([BLOCK_M, 2, BLOCK_N // 4]).permute((0, 2, 1)).split()
+            c0, c1 = b0.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            c2, c3 = b1.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            c4, c5 = b2.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            c6, c7 = b3.reshape([BLOCK_M, 2, BLOCK_N // 8]).permute((0, 2, 1)).split()
+            P: gl.constexpr = BLOCK_N // 8
+            p_layout: gl.constexpr = c0.type.layout
+            parts = (c0, c1, c2, c3, c4, c5, c6, c7)
+            row_sum = _epilogue_part(parts[0], h_smem.slice(0, P, dim=1), up_smem.slice(0, P, dim=1), scale, SWIGLU,
+                                     HAS_SCALE, p_layout)
+            for j in gl.static_range(1, 8):
+                row_sum += _epilogue_part(parts[j], h_smem.slice(j * P, P, dim=1), up_smem.slice(j * P, P, dim=1),
+                                          scale, SWIGLU, HAS_SCALE, p_layout)
+            gl.store(dscale_ptr + rows.to(gl.int64) * num_slots + n0 // BLOCK_N,
+                     gl.convert_layout(row_sum, rows.type.layout), mask=rows < row_end)
+            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA
+                fence_async_shared()
+                tma_store(pre_desc, [row0, n0], h_smem)
+                if SWIGLU:
+                    tma_store(pre_desc, [row0, N + n0], up_smem)
+            else:  # the expert's last tile: its rows only, read back 16 bytes a thread
+                barrier()
+                X = N * NUM_PRE
+                store_rows(pre_ptr, h_smem.load(store_layout), row0, row_end, n0, X, stride_pm, BLOCK_M, BLOCK_N,
+                           store_layout)
+                if SWIGLU:
+                    store_rows(pre_ptr, up_smem.load(store_layout), row0, row_end, N + n0, X, stride_pm, BLOCK_M,
+                               BLOCK_N, store_layout)
+            tma.store_wait(0)  # the stores have read the buffer
+            fence_async_shared()  # this consumer's writes of it before the other's TMA load
             barrier()  # and each thread's reads
             mbarrier.arrive(pre_turn.index(1 - C))
 
@@ -244,89 +227,6 @@ if gluon is not None:
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-    # ---- cooperative (GELU): the two consumers share each step's rows of a -----------------------
-
-    @gluon.jit
-    def _coop_consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr, tile_row_ptr,
-                       tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_pm,
-                       num_slots, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
-        """Consumer C's half of every tile of this program: columns C·BLOCK_N/2 + [0, BLOCK_N/2), a
-        [BLOCK_M, BLOCK_N/2] fp32 accumulator. Both consumers multiply each ring step (a slot is free
-        once both have: its barrier counts two arrivals); each has its own pre-activation buffer, whose
-        TMA load it issues as the tile starts, so the load runs under the tile's MMAs."""
-        HALF: gl.constexpr = BLOCK_N // 2
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HALF, 16])
-        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        pre_bar = pre_bars.index(C)
-        h_smem = pre_smem.index(C)
-        count = 0
-        for i in range(my_tiles):
-            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
-            nc = n0 + C * HALF
-            row0, row_end, rows, scale = tile_head(m, tile_row_ptr, tile_end_ptr, scale_ptr, HAS_SCALE, BLOCK_M,
-                                                   acc_layout)
-            mbarrier.expect(pre_bar, pre_desc.block_type.nbytes)  # the buffer's last store has read it
-            tma_load(pre_desc, [row0, nc], pre_bar, h_smem)
-            acc = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
-            for kk in range(k_steps):
-                slot = count % NUM_BUF
-                phase = (count // NUM_BUF) & 1
-                mbarrier.wait(w_ready.index(slot), phase)
-                mbarrier.wait(a_ready.index(slot), phase)
-                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
-                acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).slice(C * HALF, HALF, dim=0).permute((1, 0)),
-                                    acc, use_acc=kk > 0, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is done: this consumer's use of its slot
-                barrier()  # this warpgroup's warps, before the one arrival
-                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
-                count += 1
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            barrier()
-            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            mbarrier.wait(pre_bar, i & 1)
-            _finish_tile(acc, h_smem, h_smem, pre_desc, pre_ptr, dscale_ptr, scale, rows, row0, row_end, nc, N,
-                         stride_pm, num_slots, False, HAS_SCALE, BLOCK_M, HALF)
-            fence_async_shared()  # the buffer's reads and writes before the next tile's TMA load into it
-            barrier()
-
-    @gluon.jit
-    def _grouped_gemm_dact_coop_kernel(
-        a_ptr, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
-        num_m_ptr, K, N, stride_am, stride_pm, num_slots,
-        HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
-    ):
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
-        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
-        pre_smem = gl.allocate_shared_memory(pre_desc.dtype, [2] + pre_desc.block_type.shape, pre_desc.layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        pre_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)  # each producer thread's copies
-            mbarrier.init(w_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
-            mbarrier.init(empty_bars.index(i), count=2)  # both consumers
-        for i in gl.static_range(2):
-            mbarrier.init(pre_bars.index(i), count=1)
-        gl.warp_specialize([
-            (_coop_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr,
-                              tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
-                              N, stride_pm, num_slots, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
-            (_coop_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, dscale_ptr, scale_ptr,
-                              tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K,
-                              N, stride_pm, num_slots, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF)),
-            (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
-                                 a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
-        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-
-
 def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None) -> bool:
     """Whether ``grouped_gemm_dact`` with these arguments runs here: bf16 a, w and pre, w the
     transposed view of a contiguous [E, N, K] tensor (the backward's w2ᵀ), K a multiple of 64,
@@ -365,30 +265,24 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
     S, K = pre_SX.shape[0], a_MK.shape[1]
     E, _, N = w_EKN.shape
     tile = tile or tile_for(activation, K)
-    block_m, block_n, block_k, num_buf = tile[:4]
-    coop = is_coop(tile)
-    if coop and activation != "gelu":
-        raise ValueError(f"grouped_gemm_dact_pingpong: the cooperative tile {tile} takes gelu only, not {activation}")
+    block_m, block_n, block_k, num_buf = tile
     if N % block_n or K % block_k:
         raise ValueError(f"grouped_gemm_dact_pingpong: tile {tile} needs N ({N}) a multiple of {block_n} and K ({K}) "
                          f"of {block_k}; pick another tile")
-    pre_n = block_n // 2 if coop else block_n  # a consumer's columns
     dev = a_MK.device
     dpre = pre_SX if inplace else pre_SX.clone()
-    num_slots = cdiv(N, pre_n)
+    num_slots = cdiv(N, block_n)
     dscale_part = torch.empty(S, num_slots, device=dev, dtype=torch.float32)
     tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S, block_m)
     w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [block_n, block_k], shared_layout(block_n, block_k))
-    pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [block_m, pre_n],
-                                shared_layout(block_m, pre_n))
-    args = (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
+    pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [block_m, block_n],
+                                shared_layout(block_m, block_n))
+    launch(_grouped_gemm_dact_pingpong_kernel, (num_sms(dev),),
+           (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
             scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
-            dpre.stride(0), num_slots)
-    meta = dict(HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=block_k, NUM_BUF=num_buf, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
-                CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=maxnreg(4, 4 + PRODUCER_WARPS))
-    if coop:
-        launch(_grouped_gemm_dact_coop_kernel, (num_sms(dev),), args, meta)
-    else:
-        launch(_grouped_gemm_dact_pingpong_kernel, (num_sms(dev),), args, dict(meta, SWIGLU=activation == "swiglu"))
+            dpre.stride(0), num_slots),
+           dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_BUF=num_buf,
+                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
     return dpre, dscale_part.sum(1)

@@ -103,27 +103,21 @@ def test_tile_for_takes_gelus_deep_steps_where_k_allows(activation, K, step):
 
 
 def test_smem_bytes_counts_the_ring_and_the_pre_activation_buffer():
-    """(128 + 128) rows of 64 bf16 a slot; the pre-activation's 128 x 128 bf16 (swiglu: two); the
-    cooperative tile's (128 + 256) rows a slot and a 128 x 128 buffer for each of its consumers."""
+    """(128 + 128) rows of 64 bf16 a slot; the pre-activation's 128 x 128 bf16 (swiglu: two)."""
     assert GD.smem_bytes((128, 128, 64, 6), "gelu") == 6 * 32768 + 32768
     assert GD.smem_bytes((128, 128, 128, 3), "gelu") == 3 * 65536 + 32768
     assert GD.smem_bytes((64, 256, 64, 4), "swiglu") == 4 * 40960 + 65536
-    assert GD.smem_bytes((128, 256, 64, 3, "coop"), "gelu") == 3 * 49152 + 2 * 32768 <= 227 * 1024
-    assert GD.is_coop((128, 256, 64, 3, "coop")) and not GD.is_coop(GD.TILE["gelu"])
 
 
 def test_a_tile_the_call_cannot_take_is_refused():
-    """One clear error, before anything is launched: the cooperative tile with swiglu, a tile whose
-    columns do not divide N."""
-    dy, w2 = torch.zeros(4, 64, dtype=bf16), torch.zeros(1, 256, 64, dtype=bf16)
-    with pytest.raises(ValueError, match="cooperative tile .* gelu only, not swiglu"):
-        GD.grouped_gemm_dact_pingpong(dy, w2.transpose(1, 2), torch.tensor([0, 4], dtype=torch.int32),
-                                      torch.zeros(4, 512, dtype=bf16), "swiglu", tile=(128, 256, 64, 3, "coop"))
-    # a tile whose columns do not divide N (its w block would reach into the next expert's rows)
-    w2 = torch.zeros(1, 384, 64, dtype=bf16)
+    """One clear error before anything is launched: a tile whose columns do not divide N (its w block
+    would reach into the next expert's rows) or whose step does not divide K."""
+    dy, w2 = torch.zeros(4, 192, dtype=bf16), torch.zeros(1, 384, 192, dtype=bf16)
+    call = (dy, w2.transpose(1, 2), torch.tensor([0, 4], dtype=torch.int32), torch.zeros(4, 384, dtype=bf16), "gelu")
     with pytest.raises(ValueError, match=r"needs N \(384\) a multiple of 256"):
-        GD.grouped_gemm_dact_pingpong(dy, w2.transpose(1, 2), torch.tensor([0, 4], dtype=torch.int32),
-                                      torch.zeros(4, 384, dtype=bf16), "gelu", tile=(128, 256, 64, 3, "coop"))
+        GD.grouped_gemm_dact_pingpong(*call, tile=(64, 256, 64, 4))
+    with pytest.raises(ValueError, match=r"and K \(192\) of 128"):
+        GD.grouped_gemm_dact_pingpong(*call, tile=(128, 128, 128, 3))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,21 +141,17 @@ def _on_gpu_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GD.available()
 
 
-# every case with dy's rows gathered and scaled (the layer's calls); two with sorted rows, unscaled;
-# the cooperative kernel (GELU, N a multiple of its 256 columns) at every such case
-COOP = (128, 256, 64, 3, "coop")
-GPU_CALLS = ([(case, act, True, None) for case in CASES for act in ("swiglu", "gelu")]
-             + [(case, act, False, None) for case in ("rows not a multiple of 128, short and long experts",
-                                                       "long K, several tiles a program") for act in ("swiglu", "gelu")]
-             + [(case, "gelu", gathered, COOP) for case in CASES if CASES[case][1] % 256 == 0
-                for gathered in (True, False)])
+# every case with dy's rows gathered and scaled (the layer's calls); two with sorted rows, unscaled
+GPU_CALLS = ([(case, act, True) for case in CASES for act in ("swiglu", "gelu")]
+             + [(case, act, False) for case in ("rows not a multiple of 128, short and long experts",
+                                                 "long K, several tiles a program") for act in ("swiglu", "gelu")])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case, activation, gathered, tile", GPU_CALLS)
-def test_pingpong_dact_matches_float64_reference(case, activation, gathered, tile, monkeypatch):
+@pytest.mark.parametrize("case, activation, gathered", GPU_CALLS)
+def test_pingpong_dact_matches_float64_reference(case, activation, gathered, monkeypatch):
     """g = dy[t(s)] @ w2[e]ᵀ, dpre = scale(s)·g·act'(pre) over pre, dscale = Σ_n g·act(pre), in float64;
-    in place and not; the same bits as a second call; ``tile`` in place of the default's."""
+    in place and not; the same bits as a second call."""
     monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM", raising=False)  # both on by default
     monkeypatch.delenv("MEGATRON_MOE_GLUON_DACT", raising=False)
     if not _on_gpu_sm90():
@@ -181,7 +171,7 @@ def test_pingpong_dact_matches_float64_reference(case, activation, gathered, til
     assert GD.supported(*args, gather_S=token, scale_S=scale), "the kernel must take this call"
     pre_in = pre.clone()
     dpre, dscale = GD.grouped_gemm_dact_pingpong(*args[:3], pre_in, activation, gather_S=token, scale_S=scale,
-                                                 inplace=True, tile=tile)
+                                                 inplace=True)
     torch.cuda.synchronize()
     assert dpre.data_ptr() == pre_in.data_ptr() and dpre.dtype == bf16 and dscale.dtype == torch.float32
     tok = token.cpu().long() if gathered else torch.arange(S)
@@ -204,8 +194,7 @@ def test_pingpong_dact_matches_float64_reference(case, activation, gathered, til
     assert ((dscale.cpu().double() - want_s).abs() <= 2e-3 * want_s.abs().max()).all(), "dscale"
     # not in place: pre kept, the same bits
     pre2 = pre.clone()
-    dpre2, dscale2 = GD.grouped_gemm_dact_pingpong(*args[:3], pre2, activation, gather_S=token, scale_S=scale,
-                                                   tile=tile)
+    dpre2, dscale2 = GD.grouped_gemm_dact_pingpong(*args[:3], pre2, activation, gather_S=token, scale_S=scale)
     assert torch.equal(pre2, pre) and torch.equal(dpre2, dpre) and torch.equal(dscale2, dscale)
     # against the Triton kernel (the one the layer runs)
     tri, tri_s = G.grouped_gemm_dact_triton(*args, gather_S=token, scale_S=scale)
@@ -235,6 +224,3 @@ def test_gelus_deep_and_shallow_rings_give_the_same_bits(case, monkeypatch):
     shallow = GD.grouped_gemm_dact_pingpong(dy, w2, _offsets(counts, "cuda"), pre, "gelu",
                                             tile=GD.TILE_K64["gelu"], **kw)
     assert torch.equal(deep[0], shallow[0]) and torch.equal(deep[1], shallow[1])
-    if N % 256 == 0:  # the cooperative kernel sums each output in the same order too
-        coop = GD.grouped_gemm_dact_pingpong(dy, w2, _offsets(counts, "cuda"), pre, "gelu", tile=COOP, **kw)
-        assert torch.equal(coop[0], shallow[0]) and torch.equal(coop[1], shallow[1])
