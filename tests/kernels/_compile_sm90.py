@@ -1,6 +1,7 @@
 """Compile every Triton kernel the layer and the trainer launch for Hopper (sm_90), without a GPU.
 
-    python tests/kernels/_compile_sm90.py          # prints the kernels compiled, one line each
+    python tests/kernels/_compile_sm90.py          # prints the kernels compiled, one line each, then
+                                                   # ptxas's serialised-MMA notes and spills per kernel
 
 Triton's interpreter (the CPU tests) runs a kernel's Python, not its compiler: a loop-carried
 value whose type changes, a layout the compiler cannot build or a TMA descriptor it refuses shows
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -254,11 +256,16 @@ def scenarios():
     yield "linear's bias gradient, alone and after a GELU", bias_grad
 
 
+SPILLS: dict[str, int] = {}  # kernel -> the most bytes a thread spills over its variants (wgmma_notes fills it)
+
+
 def wgmma_notes() -> dict[str, set[str]] | None:
     """ptxas (Triton's own) run again with -v over every kernel's PTX: the notes in WGMMA_NOTES
     per kernel. A loop whose accumulator a branch reads (a tile's epilogue in the loop of its
     steps) made ptxas wait for every MMA before the next (kernels/gluon_wgrad.py, 2026-12-03); the
-    kernel was right and slower, so only this note showed it. None without a ptxas."""
+    kernel was right and slower, so only this note showed it. Also fills SPILLS (the router's
+    backward spilled at 128 experts, 2026-12-06, where it ran 2.3x its floor). None without a
+    ptxas."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -280,6 +287,8 @@ def wgmma_notes() -> dict[str, set[str]] | None:
                                      capture_output=True, text=True).stderr
                 notes[kernel] |= {line.split(": ", 1)[-1].split(" in function")[0] for line in err.splitlines()
                                   if any(code in line for code in WGMMA_NOTES)}
+                spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", err)]
+                SPILLS[kernel] = max([SPILLS.get(kernel, 0)] + spilled)
     return {k: v for k, v in notes.items() if v}
 
 
@@ -299,6 +308,9 @@ def main() -> int:
     for kernel, found in sorted((notes or {}).items()):
         for note in sorted(found):
             print(f"wgmma-serialised {kernel}: {note}")
+    for kernel, spilled in sorted(SPILLS.items()):
+        if spilled:
+            print(f"spills {kernel}: {spilled} bytes a thread")
     if notes is None:
         print("wgmma notes not checked: Triton names no ptxas")
     return 1 if failed else 0
