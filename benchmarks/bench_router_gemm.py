@@ -4,7 +4,6 @@ into torch GEMMs), GPU time and host time per call.
     python benchmarks/bench_router_gemm.py                      # the layer benchmark's router shapes
     python benchmarks/bench_router_gemm.py --shapes 32768x768x64 --w-dtypes bf16
     python benchmarks/bench_router_gemm.py --sweep --shapes dmoe-small,qwen3-30b-a3b   # each kernel's tiles
-    python benchmarks/bench_router_gemm.py --shapes sonic-1536,qwen3-30b-a3b --w-dtypes bf16 --split  # dx, dw apart
 
 GPU ms: triton.testing.do_bench's median. "dx+dw" and "dx+dw+add" time the fused backward
 (``logits_backward_triton``; with the experts' dx added in place) in the kernel column and the
@@ -105,9 +104,6 @@ def main(argv=None):
     ap.add_argument("--w-dtypes", default="bf16,fp32")
     ap.add_argument("--sweep", action="store_true", help="time each kernel's candidate tile configs, then exit")
     ap.add_argument("--ops", default="logits,dx,dw,bwd", help="--sweep's kernels")
-    ap.add_argument("--split", action="store_true",
-                    help="also time the backward with the experts' dx added as two launches (router_gemm's "
-                         "BWD_SPLIT_CONFIG) beside the one fused launch")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.sweep:
@@ -139,17 +135,6 @@ def main(argv=None):
                 r_ms = triton.testing.do_bench(ref, warmup=25, rep=100, return_mode="median")
                 print(f"{name:<16}{wname:<6}{op:<8}{k_ms:>10.4f}{r_ms:>10.4f}{host_us(kern):>16.1f}{host_us(ref):>15.1f}",
                       flush=True)
-            if args.split:  # dx + dw + add: two launches against the fused one, alternated three times
-                fused, shipped = ops["dx+dw+add"][0], rg.BWD_SPLIT_ABOVE_E
-                ms = {"fused": [], "split": []}
-                for _ in range(3):
-                    for which in ("fused", "split"):
-                        rg.BWD_SPLIT_ABOVE_E = 0 if which == "split" else None
-                        ms[which].append(triton.testing.do_bench(fused, warmup=25, rep=100, return_mode="median"))
-                rg.BWD_SPLIT_ABOVE_E = shipped
-                f_ms, s_ms = sorted(ms["fused"])[1], sorted(ms["split"])[1]
-                print(f"{name:<16}{wname:<6}split dx+dw+add: two launches {s_ms:.4f} ms, one fused {f_ms:.4f} ms "
-                      f"({f_ms / s_ms:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":

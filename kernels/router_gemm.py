@@ -59,16 +59,6 @@ BWD_CONFIG = {torch.bfloat16: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_sta
               torch.float32: dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2,
                                   DW_FIRST=True)}
 BWD_MAX_E = 128
-# Above BWD_SPLIT_ABOVE_E experts (None: never) the backward's two gradients take two launches of the
-# same kernel, dx's (with the add) and dw's, each with its own config of BWD_SPLIT_CONFIG: at 128
-# experts one program holding dw's [E, BLOCK_H] accumulator beside dx's and g's tiles spills (484
-# bytes a thread at BWD_CONFIG, compiled for sm_90 by Triton 3.9's ptxas; the fused kernel ran
-# 0.258 ms at sonic-1536 against a ~0.11 ms floor, H100), apart neither does (dx 166 registers, dw
-# 170). g is read twice. Not yet timed on a GPU: `bench_router_gemm.py --split` times it beside the
-# fused kernel (docs/performance.md, "The router's backward at 128 experts").
-BWD_SPLIT_ABOVE_E = None
-BWD_SPLIT_CONFIG = {"dx": dict(BLOCK_T=64, BLOCK_H=128, num_warps=4, num_stages=2, PROGRAMS_PER_SM=2, DW_FIRST=True),
-                    "dw": dict(BLOCK_T=64, BLOCK_H=128, num_warps=8, num_stages=2, PROGRAMS_PER_SM=2, DW_FIRST=True)}
 
 
 def _config(table: dict, dtype: torch.dtype, E: int) -> dict:
@@ -308,9 +298,9 @@ def logits_backward_triton(g_TE: torch.Tensor, x_TH: torch.Tensor, w_EH: torch.T
                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dL/dx in x's dtype, dL/dw in w's) from fp32 g_TE = dL/dlogits: the sums of
     :func:`logits_dx_triton` and :func:`logits_dw_triton`, in one kernel for E <= BWD_MAX_E (else
-    those two; above BWD_SPLIT_ABOVE_E experts in two launches of it). ``dx_add_TH``: a contiguous
-    tensor of dx's shape and dtype (the experts' dL/dx) that dx is added to in place and returned
-    as (rounded once: the fp32 sum of it as stored and the router's part)."""
+    those two). ``dx_add_TH``: a contiguous tensor of dx's shape and dtype (the experts' dL/dx)
+    that dx is added to in place and returned as (rounded once: the fp32 sum of it as stored and
+    the router's part)."""
     g_TE, x_TH, w_EH = _rows(g_TE.float()), _rows(x_TH), _rows(w_EH)
     (T, E), H = g_TE.shape, x_TH.shape[1]
     if dx_add_TH is not None and (dx_add_TH.shape != x_TH.shape or dx_add_TH.dtype != x_TH.dtype
@@ -324,17 +314,8 @@ def logits_backward_triton(g_TE: torch.Tensor, x_TH: torch.Tensor, w_EH: torch.T
         elif need_dx:  # the sum in fp32, rounded once as the kernel's
             dx = dx_add_TH.copy_(dx_add_TH.float() + logits_dx_triton(g_TE, w_EH, torch.float32))
         return dx, logits_dw_triton(g_TE, x_TH, w_EH.dtype) if need_dw else None
-    if BWD_SPLIT_ABOVE_E is not None and E > BWD_SPLIT_ABOVE_E and need_dx and need_dw:
-        dx, _ = _backward_launch(g_TE, x_TH, w_EH, BWD_SPLIT_CONFIG["dx"], True, False, dx_add_TH)
-        return dx, _backward_launch(g_TE, x_TH, w_EH, BWD_SPLIT_CONFIG["dw"], False, True, None)[1]
-    return _backward_launch(g_TE, x_TH, w_EH, BWD_CONFIG[w_EH.dtype], need_dx, need_dw, dx_add_TH)
-
-
-def _backward_launch(g_TE, x_TH, w_EH, config, need_dx, need_dw, dx_add_TH):
-    """One launch of :func:`_logits_bwd_kernel` with ``config`` (its tiles and PROGRAMS_PER_SM)."""
-    (T, E), H = g_TE.shape, x_TH.shape[1]
     dev = g_TE.device
-    cfg = dict(config)
+    cfg = dict(BWD_CONFIG[w_EH.dtype])
     per_sm = cfg.pop("PROGRAMS_PER_SM")
     block_t, block_h = cfg["BLOCK_T"], cfg["BLOCK_H"]
     cfg["BLOCK_E"] = max(16, next_power_of_2(E))

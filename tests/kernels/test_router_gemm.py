@@ -90,26 +90,6 @@ def test_fused_backward_matches_float64(T, H, E, w_dtype):
 
 @needs_triton_kernels
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T, H, E", [(300, 96, 16), (1100, 32, 8)])
-def test_backward_in_two_launches_matches_float64(T, H, E, w_dtype, monkeypatch):
-    """Above BWD_SPLIT_ABOVE_E experts dx (with the add) and dw take two launches of their own
-    configs: as accurate as the fused kernel, dx its bits (the same sums; dw's token blocks may
-    differ), the experts' dx added in place."""
-    x, w, dl = _inputs(T, H, E, w_dtype, 13 * T + E)
-    x, w, dl = x.to(DEVICE), w.to(DEVICE), dl.to(DEVICE)
-    other = torch.randn(T, H, generator=torch.Generator().manual_seed(E)).bfloat16().to(DEVICE)
-    monkeypatch.setattr(rg, "BWD_SPLIT_ABOVE_E", None)  # one launch, whatever the shipped threshold
-    fused = rg.logits_backward_triton(dl, x, w, dx_add_TH=other.clone())
-    monkeypatch.setattr(rg, "BWD_SPLIT_ABOVE_E", E - 1)
-    into = other.clone()
-    dx, dw = rg.logits_backward_triton(dl, x, w, dx_add_TH=into)
-    assert dx is into and torch.equal(dx, fused[0])
-    _check(x.cpu(), w.cpu(), dl.cpu(), rg.logits_triton(x, w).cpu(), rg.logits_backward_triton(dl, x, w)[0].cpu(),
-           dw.cpu())
-
-
-@needs_triton_kernels
-@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_fused_backward_in_either_order_is_the_same(w_dtype, monkeypatch):
     """DW_FIRST (the sweep's other order of the two products in the loop): the same bits."""
     x, w, dl = _inputs(1100, 96, 16, w_dtype, 9)
