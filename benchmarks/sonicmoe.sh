@@ -4,7 +4,8 @@
 #   bash benchmarks/sonicmoe.sh bundle             # here, with an index: SonicMoE's wheels unpacked into
 #                                                  #   one xz tar, .sonic/site.tar.xz (~53 MB; ignore .sonic/)
 #   bash benchmarks/sonicmoe.sh compile [CONFIGS]  # on the GPU: SonicMoE's GEMMs compiled and tuned
-#   bash benchmarks/sonicmoe.sh time [CONFIGS]     # on the GPU: SonicMoE, dense and ours, eager, one process, twice
+#   bash benchmarks/sonicmoe.sh time [CONFIGS]     # on the GPU: SonicMoE, dense and ours, eager, one process, twice;
+#                                                  #   then both steps' kernels in launch order (ORDER=0: not)
 # CONFIGS: bench_layer.py's, default sonic-1536,qwen3-30b-a3b,olmoe,sonic-4096. The device tool's calls
 # carry .sonic (run(..., carry=[".sonic"])). QuACK compiles every candidate of every GEMM kind on its
 # first call: 468 and 495 s at sonic-1536 on an H200 with 16 workers (2026-12-06), most of a call, so
@@ -65,6 +66,9 @@ case $stage in
       python3 benchmarks/bench_layer.py --configs "$configs" --providers sonicmoe,dense,triton_grouped --timing eager \
         --warmup-ms 25 --rep-ms 150 --out "$OUT/layer-$r.json" 2>&1 | grep -v "leaked\|nanobind"
     done 2>&1 | tee "$OUT/layer.log"
+    # one step's kernels in launch order, each the median of 5 profiled steps: the six GEMMs one by one
+    [[ ${ORDER:-1} == 1 ]] && python3 benchmarks/profile_layer.py --order --configs "$configs" \
+      --providers sonicmoe,triton_grouped 2>&1 | grep -v "leaked\|nanobind" | tee "$OUT/kernel_order.txt"
     cache_state "after" ;;
 esac
 pack_tuning
