@@ -256,16 +256,13 @@ def scenarios():
     yield "linear's bias gradient, alone and after a GELU", bias_grad
 
 
-SPILLS: dict[str, int] = {}  # kernel -> the most bytes a thread spills over its variants (wgmma_notes fills it)
-
-
-def wgmma_notes() -> dict[str, set[str]] | None:
-    """ptxas (Triton's own) run again with -v over every kernel's PTX: the notes in WGMMA_NOTES
-    per kernel. A loop whose accumulator a branch reads (a tile's epilogue in the loop of its
-    steps) made ptxas wait for every MMA before the next (kernels/gluon_wgrad.py, 2026-12-03); the
-    kernel was right and slower, so only this note showed it. Also fills SPILLS (the router's
-    backward spilled at 128 experts, 2026-12-06, where it ran 2.3x its floor). None without a
-    ptxas."""
+def ptxas_report() -> tuple[dict[str, set[str]], dict[str, int]] | None:
+    """ptxas (Triton's own) run again with -v over every kernel's PTX: (the notes in WGMMA_NOTES
+    per kernel, the most bytes a thread spills per kernel over its variants). A loop whose
+    accumulator a branch reads (a tile's epilogue in the loop of its steps) made ptxas wait for
+    every MMA before the next (kernels/gluon_wgrad.py, 2026-12-03); the kernel was right and slower,
+    so only this note showed it. The router's backward spilled at 128 experts (2026-12-06), where it
+    ran 2.3x its floor. None without a ptxas."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -278,6 +275,7 @@ def wgmma_notes() -> dict[str, set[str]] | None:
     if not ptxas.exists():
         return None
     notes: dict[str, set[str]] = collections.defaultdict(set)
+    spills: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for kernel, ptxs in sorted(PTX.items()):
             for i, ptx in enumerate(ptxs):
@@ -288,8 +286,8 @@ def wgmma_notes() -> dict[str, set[str]] | None:
                 notes[kernel] |= {line.split(": ", 1)[-1].split(" in function")[0] for line in err.splitlines()
                                   if any(code in line for code in WGMMA_NOTES)}
                 spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", err)]
-                SPILLS[kernel] = max([SPILLS.get(kernel, 0)] + spilled)
-    return {k: v for k, v in notes.items() if v}
+                spills[kernel] = max([spills.get(kernel, 0)] + spilled)
+    return {k: v for k, v in notes.items() if v}, spills
 
 
 def main() -> int:
@@ -304,14 +302,15 @@ def main() -> int:
             print(f"FAILED  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     for kernel, n in sorted(compiled.items()):
         print(f"compiled {kernel} x{n}")
-    notes = wgmma_notes()
-    for kernel, found in sorted((notes or {}).items()):
+    report = ptxas_report()
+    notes, spills = report or ({}, {})
+    for kernel, found in sorted(notes.items()):
         for note in sorted(found):
             print(f"wgmma-serialised {kernel}: {note}")
-    for kernel, spilled in sorted(SPILLS.items()):
+    for kernel, spilled in sorted(spills.items()):
         if spilled:
             print(f"spills {kernel}: {spilled} bytes a thread")
-    if notes is None:
+    if report is None:
         print("wgmma notes not checked: Triton names no ptxas")
     return 1 if failed else 0
 
