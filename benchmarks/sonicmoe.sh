@@ -19,14 +19,16 @@ stage=${1:?usage: bash benchmarks/sonicmoe.sh bundle|compile|time [CONFIGS]}
 configs=${2:-sonic-1536,qwen3-30b-a3b,olmoe,sonic-4096}
 [[ $stage == @(bundle|compile|time) ]] || { echo "unknown stage '$stage': bundle, compile or time"; exit 1; }
 bundle=.sonic/site.tar.xz
+# what the bundle holds (sonic-moe pins torch <= 2.9.1 and Python >= 3.12: installed without its
+# dependencies it runs on torch 2.11)
+wheels=(sonic-moe==0.1.2.post1 quack-kernels==0.3.11 nvidia-cutlass-dsl==4.4.2 nvidia-cutlass-dsl-libs-cu13==4.4.2
+        apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops)
 
 if [[ $stage == bundle ]]; then
   tmp=$(mktemp -d)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d "$tmp/whl" \
-    sonic-moe==0.1.2.post1 quack-kernels==0.3.11 nvidia-cutlass-dsl==4.4.2 nvidia-cutlass-dsl-libs-cu13==4.4.2 \
-    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops || exit 1
-  # sonic-moe pins torch <= 2.9.1 and Python >= 3.12: installed without its dependencies it runs on torch 2.11
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d "$tmp/whl" "${wheels[@]}" \
+    || exit 1
   python3 -m pip install -q --no-deps --no-compile --ignore-requires-python --target "$tmp/site" \
     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --only-binary=:all: "$tmp"/whl/*.whl \
     || exit 1
@@ -49,8 +51,7 @@ cache_state() { echo "$1: host $(hostname), repo $PWD, $QUACK_CACHE_DIR holds $(
   "objects and $(find "$QUACK_CACHE_DIR" -name '*.autotune.json' | wc -l) tuning results" | tee -a "$OUT/env.txt"; }
 cache_state "before"
 python3 -c "import sonicmoe, quack, cutlass; print('SonicMoE', sonicmoe.__file__, 'CuTe DSL', cutlass.__version__)" || exit 1
-echo "sonic-moe 0.1.2.post1, quack-kernels 0.3.11, nvidia-cutlass-dsl 4.4.2 (libs-cu13), apache-tvm-ffi 0.1.15.post2," \
-  "torch-c-dlpack-ext 0.1.5" >> "$OUT/env.txt"
+echo "bundle: ${wheels[*]}" >> "$OUT/env.txt"
 pack_tuning() { (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/quack-tuning.tgz" --null -T -); }
 
 case $stage in
