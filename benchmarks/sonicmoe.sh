@@ -11,7 +11,8 @@
 # first call: 468 and 495 s at sonic-1536 on an H200 with 16 workers (2026-12-06), most of a call, so
 # `compile` and `time` are two calls on one warm machine. Its cache goes to QUACK_CACHE_DIR (default
 # /tmp/quack_cache, outside the repository: on 2026-12-06 a cache in an ignored folder of the repository
-# was gone by the next call on the same warm machine); each stage prints what it finds there. Its tuning
+# was gone by the next call on the same warm machine); each stage prints what it finds there (cache.txt),
+# and `time` stops at once when it finds no compiled objects (FORCE=1: compiles them within the call). Its tuning
 # results (small JSON files: the tile each GEMM chose) come back as $OUT/quack-tuning.tgz.
 # benchmarks/results/sonicmoe-h200-2026-11-29/README.md has the versions and the measurements so far.
 set -uo pipefail
@@ -38,18 +39,26 @@ if [[ $stage == bundle ]]; then
 fi
 
 [[ -f $bundle ]] || { echo "$bundle is missing: run 'bash benchmarks/sonicmoe.sh bundle' where pip has an index, and carry .sonic"; exit 1; }
-source benchmarks/device_env.sh
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/quack_cache} QUACK_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=$(nproc)
+mkdir -p "$QUACK_CACHE_DIR"
+objects() { find "$QUACK_CACHE_DIR" -name '*.o' | wc -l; }
+cache_state() { echo "$1: host $(hostname), repo $PWD, $QUACK_CACHE_DIR holds $(objects) objects and" \
+  "$(find "$QUACK_CACHE_DIR" -name '*.autotune.json' | wc -l) tuning results" | tee -a "$OUT/cache.txt"; }
+cache_state "before"
+# `time` without compile's objects would spend ~500 s of its call compiling and run out of time
+# before the comparison (as on 2026-12-06): it stops here instead, unless FORCE=1
+if [[ $stage == time && ${FORCE:-0} != 1 && $(objects) == 0 ]]; then
+  echo "time: $QUACK_CACHE_DIR holds no compiled GEMMs (this machine did not keep the compile stage's cache):" \
+    "nothing timed; run 'compile' first on this machine, or FORCE=1 to compile within this call (~500 s)"
+  exit 2
+fi
+source benchmarks/device_env.sh
 write_env "$OUT/env.txt"
 site=/tmp/sonic_site
 [[ -d $site/sonicmoe ]] || { mkdir -p $site && tar xJf "$bundle" -C $site --strip-components=1; } || exit 1
 # the .pth of nvidia-cutlass-dsl is not read from a --target folder: its path goes on PYTHONPATH
 export PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages:$PYTHONPATH
-export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/quack_cache} QUACK_CACHE_AUTOTUNING=1 QUACK_COMPILE_WORKERS=$(nproc)
-mkdir -p "$QUACK_CACHE_DIR"
-cache_state() { echo "$1: host $(hostname), repo $PWD, $QUACK_CACHE_DIR holds $(find "$QUACK_CACHE_DIR" -name '*.o' | wc -l)" \
-  "objects and $(find "$QUACK_CACHE_DIR" -name '*.autotune.json' | wc -l) tuning results" | tee -a "$OUT/env.txt"; }
-cache_state "before"
 python3 -c "import sonicmoe, quack, cutlass; print('SonicMoE', sonicmoe.__file__, 'CuTe DSL', cutlass.__version__)" || exit 1
 echo "bundle: ${wheels[*]}" >> "$OUT/env.txt"
 pack_tuning() { (cd "$QUACK_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/quack-tuning.tgz" --null -T -); }

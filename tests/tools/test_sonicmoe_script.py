@@ -41,3 +41,19 @@ def test_a_gpu_stage_without_the_bundle_says_how_to_build_it(root, stage):
 def test_no_stage_prints_the_usage(root):
     proc = run(root)
     assert proc.returncode != 0 and "usage: bash benchmarks/sonicmoe.sh bundle|compile|time" in proc.stderr
+
+
+def test_time_stops_at_once_when_the_compile_stages_cache_is_not_there(root, tmp_path):
+    """``time`` on a machine that did not keep ``compile``'s objects would spend its call compiling:
+    it stops before unpacking anything, says so, and leaves the cache's state in cache.txt."""
+    (root / ".sonic").mkdir()
+    (root / ".sonic" / "site.tar.xz").write_bytes(b"")  # present; never unpacked before the stop
+    cache = tmp_path / "empty-cache"
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "QUACK_CACHE_DIR": str(cache), "OUT": str(out)}
+    proc = subprocess.run(["bash", "benchmarks/sonicmoe.sh", "time", "sonic-1536"], cwd=root, capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "holds no compiled GEMMs" in proc.stdout and "FORCE=1" in proc.stdout
+    assert "holds 0 objects" in (out / "cache.txt").read_text()
+    assert not (out / "env.txt").exists()  # stopped before the GPU's set-up
