@@ -1,0 +1,341 @@
+"""Experiment (issue #35): what a two-CTA cluster with TMA multicast looks like in Gluon, on the
+Triton that torch 2.12 and 2.13 install (3.7.0, 3.7.1); Triton 3.6 (torch 2.11) has no multicast.
+
+    python benchmarks/proto_multicast.py --compile-only   # any machine, Triton >= 3.7: compiles for
+                                                          #   sm_90 and prints the PTX lines that matter
+    python benchmarks/proto_multicast.py                  # an sm_90 GPU with Triton >= 3.7: checks the
+                                                          #   product against torch, then times it
+
+c = a @ w with 256-row cluster tiles: the two CTAs of a cluster take 128 rows each (a's block
+sharded along M, ``cga_layout=[[1, 0]]``) and share w's [64, 256] block, loaded once by TMA and
+multicast into both CTAs' shared memory (``cga_layout=[[0, 0]]``, ``multicast=True``): w's L2
+traffic halved, the lever the performance notes name for the gathered GEMMs (docs/performance.md,
+"TMA multicast in the Triton of torch 2.12 and 2.13"). Not pipelined: one slot, and a cluster
+barrier after each step's MMAs before the next multicast may overwrite the partner's copy of w.
+That barrier is the open problem: in a warp-specialised kernel (ours) the consumer of each CTA
+must release the slot to the CTA that issues the multicast, and Triton 3.7.1 compiles a two-CTA
+mbarrier's arrive (``mbarrier.allocate_mbarrier(two_ctas=True)``) to a local arrive on Hopper,
+while cluster barriers may not run inside ``warp_specialize``. ``--compile-only`` shows both.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+import torch
+import triton
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megatron_moe.kernels._gluon import tma_load, tma_store  # either release's names
+
+BM, BN, BK, NUM_WARPS = 256, 256, 64, 8  # a cluster's tile (128 rows a CTA), w's block, the step
+PAIR = [[1, 0]]  # CTA bit 0 -> the second half of dim 0: each CTA its own rows
+BROADCAST = [[0, 0]]  # both CTAs hold the whole block
+
+
+@gluon.jit
+def _cluster_gemm_kernel(a_desc, w_desc, c_desc, K, TWO_CTA_BARRIER: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Cluster m (program m: a program is a cluster) computes c's rows [256 m, 256 m + 256)."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    row0 = gl.program_id(0) * BLOCK_M
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [BLOCK_M, BLOCK_K], a_desc.layout)
+    w_s = gl.allocate_shared_memory(w_desc.dtype, [BLOCK_K, BLOCK_N], w_desc.layout)
+    ready = mbarrier.allocate_mbarrier()  # one a CTA
+    mbarrier.init(ready, count=1)
+    # what a warp-specialised kernel would release its slots with (see the docstring); a barrier
+    # across CTAs is initialised before any use (Triton 3.9 refuses it otherwise)
+    empty = mbarrier.allocate_mbarrier(two_ctas=True)
+    mbarrier.init(empty, count=1)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16], cga_layout=[[1, 0]])
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    phase = 0
+    for k in range(0, K, BLOCK_K):
+        # a CTA's bytes: its half of a's block and all of w's
+        mbarrier.expect(ready, a_desc.block_type.nbytes // 2 + w_desc.block_type.nbytes)
+        tma_load(a_desc, [row0, k], ready, a_s)
+        tma_load(w_desc, [k, 0], ready, w_s, multicast=True)
+        mbarrier.wait(ready, phase)
+        acc = warpgroup_mma(a_s, w_s, acc, use_acc=k > 0, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.barrier(cluster=True)  # both CTAs done with w_s before the next multicast overwrites it
+        phase ^= 1
+    if TWO_CTA_BARRIER:
+        mbarrier.arrive(empty)
+        mbarrier.wait(empty, 0)
+    c_s = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_s.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma_store(c_desc, [row0, 0], c_s)
+    tma.store_wait(0)
+
+
+def descriptors(a, w, c):
+    layout = gl.NVMMASharedLayout.get_default_for
+    return (TensorDescriptor.from_tensor(a, [BM, BK], layout([BM, BK], gl.bfloat16, cga_layout=PAIR)),
+            TensorDescriptor.from_tensor(w, [BK, BN], layout([BK, BN], gl.bfloat16, cga_layout=BROADCAST)),
+            TensorDescriptor.from_tensor(c, [BM, BN], layout([BM, BN], gl.bfloat16, cga_layout=PAIR)))
+
+
+def cluster_gemm(a, w, two_cta_barrier=False, warmup=False):
+    """c [M, 256] = a [M, K] @ w [K, 256], bf16, M a multiple of 256 and K of 64."""
+    M, K = a.shape
+    if not triton_at_least(3, 7):
+        raise RuntimeError(f"proto_multicast: needs Triton >= 3.7 (TMA multicast in Gluon); this is "
+                           f"{triton.__version__}")
+    if M % BM or K % BK or tuple(w.shape) != (K, BN):
+        raise ValueError(f"proto_multicast: needs M % {BM} == 0, K % {BK} == 0 and w [K, {BN}]; got a "
+                         f"{tuple(a.shape)}, w {tuple(w.shape)}")
+    c = torch.empty(M, BN, device=a.device, dtype=torch.bfloat16)
+    args = (*descriptors(a, w, c), K)
+    kw = dict(TWO_CTA_BARRIER=two_cta_barrier, NUM_WARPS=NUM_WARPS, grid=(M // BM,), num_warps=NUM_WARPS, num_ctas=2)
+    if warmup:
+        return _cluster_gemm_kernel.warmup(*args, **kw)
+    _cluster_gemm_kernel[kw.pop("grid")](*args, **kw)
+    return c
+
+
+# ---- the row-grouped plain GEMM in two-CTA clusters (Triton >= 3.8: slots released across CTAs) ----
+
+@gluon.jit
+def _pair_tiles(num_p_ptr, N, BLOCK_N: gl.constexpr):
+    """This cluster's tiles t = pid, pid + nclusters, ... of num_pairs x tiles_n (columns fastest)."""
+    pid = gl.program_id(0)  # a program is a cluster
+    nprog = gl.num_programs(0)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    total = gl.load(num_p_ptr) * tiles_n
+    return pid, nprog, tiles_n, gl.cdiv(gl.maximum(total - pid, 0), nprog)
+
+
+@gluon.jit
+def _pair_producer(a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs, ready, empty_pair,
+                   empty_own, K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Per step: the slot free in both CTAs (empty_pair, waited on by the CTA that issues the
+    multicast) and in this one (empty_own), then each CTA's rows of a by TMA and w's block once,
+    multicast into both CTAs."""
+    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for i in range(my_tiles):
+        t = pid + i * nprog
+        m = t // tiles_n
+        n0 = (t % tiles_n) * BLOCK_N
+        e = gl.load(pair_e_ptr + m)
+        row0 = gl.load(pair_row_ptr + m)
+        for kk in range(k_steps):
+            slot = count % NUM_BUF
+            phase = ((count // NUM_BUF) & 1) ^ 1  # the first pass finds every slot free
+            mbarrier.wait(empty_pair.index(slot), phase)
+            mbarrier.wait(empty_own.index(slot), phase)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, a_desc.block_type.nbytes // 2 + w_desc.block_type.nbytes)
+            tma_load(a_desc, [row0, kk * BLOCK_K], bar, a_bufs.index(slot))
+            tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(slot), multicast=True)
+            count += 1
+
+
+@gluon.jit
+def _pair_consumer(out_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_bufs, w_bufs, ready, empty_pair,
+                   empty_own, K, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """The MMAs (one in flight; the slot of the step before released in both CTAs) and each
+    tile's TMA store; a pair whose rows run past its expert's end is not stored (the prototype
+    times whole pairs only: see ``pair_offsets``)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16], cga_layout=[[1, 0]])
+    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for i in range(my_tiles):
+        t = pid + i * nprog
+        m = t // tiles_n
+        n0 = (t % tiles_n) * BLOCK_N
+        row0 = gl.load(pair_row_ptr + m)
+        row_end = gl.load(pair_end_ptr + m)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for kk in range(k_steps):
+            slot = count % NUM_BUF
+            mbarrier.wait(ready.index(slot), (count // NUM_BUF) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot), acc, use_acc=kk > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            gl.barrier()  # both warpgroups', before the arrivals
+            prev = (count + NUM_BUF - 1) % NUM_BUF
+            mbarrier.arrive(empty_pair.index(prev), pred=kk > 0)
+            mbarrier.arrive(empty_own.index(prev), pred=kk > 0)
+            count += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.barrier()
+        prev = (count + NUM_BUF - 1) % NUM_BUF
+        mbarrier.arrive(empty_pair.index(prev))
+        mbarrier.arrive(empty_own.index(prev))
+        if row0 + BLOCK_M <= row_end:
+            tma.store_wait(0)
+            out_smem.store(acc.to(gl.bfloat16))
+            fence_async_shared()
+            tma_store(out_desc, [row0, n0], out_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _grouped_gemm_pair_kernel(a_desc, w_desc, out_desc, pair_e_ptr, pair_row_ptr, pair_end_ptr, num_p_ptr, K, N,
+                              NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF, BLOCK_K, BLOCK_N], w_desc.layout)
+    out_smem = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+    ready = mbarrier.allocate_mbarrier(batch=NUM_BUF)  # one a CTA: its a rows and its copy of w landed
+    empty_pair = mbarrier.allocate_mbarrier(batch=NUM_BUF, two_ctas=True)  # both consumers done (the lead's)
+    empty_own = mbarrier.allocate_mbarrier(batch=NUM_BUF)  # this CTA's consumer done
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty_pair.index(i), count=1)  # an arrival from each CTA
+        mbarrier.init(empty_own.index(i), count=1)
+    gl.warp_specialize([
+        (_pair_consumer, (out_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_bufs, w_bufs, ready,
+                          empty_pair, empty_own, K, N, BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS)),
+        (_pair_producer, (a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs, ready, empty_pair,
+                          empty_own, K, N, BLOCK_N, BLOCK_K, NUM_BUF)),
+    ], [1], [40])
+
+
+def triton_at_least(major, minor):
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (major, minor)
+
+
+def grouped_gemm_pair(a_MK, w_EKN, offsets_E1, num_sms=132, warmup=False):
+    """out[s] = a[s] @ w[e(s)] over sorted rows in clusters of two CTAs (256 rows of one expert, w's
+    block multicast), bf16; experts' row counts multiples of 256 (``pair_offsets``)."""
+    from megatron_moe.kernels.gluon_gemm import tile_table
+
+    if not triton_at_least(3, 8):  # 3.7 compiles the two-CTA barrier's arrive as a local one: a race
+        raise RuntimeError(f"proto_multicast: the pair kernel needs Triton >= 3.8 (torch >= 2.14); this is "
+                           f"{triton.__version__}")
+
+    S, K = a_MK.shape
+    E, _, N = w_EKN.shape
+    out = torch.empty(S, N, device=a_MK.device, dtype=torch.bfloat16)
+    pair_e, pair_row, pair_end, num_p = tile_table(offsets_E1, S, block_m=BM)
+    layout = gl.NVMMASharedLayout.get_default_for
+    a_desc = TensorDescriptor(a_MK, [S, K], [K, 1], [BM, BK], layout([BM, BK], gl.bfloat16, cga_layout=PAIR))
+    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BK, BN], layout([BK, BN], gl.bfloat16, cga_layout=BROADCAST))
+    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BM, BN], layout([BM, BN], gl.bfloat16, cga_layout=PAIR))
+    args = (a_desc, w_desc, out_desc, pair_e, pair_row, pair_end, num_p, K, N)
+    kw = dict(NUM_BUF=3, NUM_WARPS=NUM_WARPS, num_warps=NUM_WARPS, num_ctas=2, grid=(num_sms // 2,))
+    if warmup:
+        return _grouped_gemm_pair_kernel.warmup(*args, **kw)
+    _grouped_gemm_pair_kernel[kw.pop("grid")](*args, **kw)
+    return out
+
+
+def pair_offsets(S, E, device):
+    """Equal experts of S // E rows, a multiple of 256 (the prototype stores whole pairs only)."""
+    rows = S // E // BM * BM
+    return torch.arange(0, E + 1, device=device, dtype=torch.int32) * rows
+
+
+def compile_only():
+    """Compile both kernels for sm_90 on any machine and print what the PTX says about the
+    cluster's copies and barriers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from megatron_moe.kernels import _common
+    from megatron_moe.kernels.tuning import _CompileOnly
+    driver.set_active(_CompileOnly(0, GPUTarget("cuda", 90, 32)))
+    torch_empty = torch.empty
+    torch.empty = lambda *a, **k: torch.zeros(*a, **k)
+    use_triton = _common.use_triton
+    try:
+        a, w = torch.zeros(512, 256, dtype=torch.bfloat16), torch.zeros(256, BN, dtype=torch.bfloat16)
+        kernels = {"smoke": cluster_gemm(a, w, two_cta_barrier=True, warmup=True)}
+        from megatron_moe.kernels import gluon_gemm
+        gluon_gemm.use_triton = lambda *t: False  # the tile table by torch ops on the CPU
+        offsets = pair_offsets(2048, 4, "cpu")
+        kernels["grouped"] = grouped_gemm_pair(torch.zeros(2048, 256, dtype=torch.bfloat16),
+                                               torch.zeros(4, 256, 1024, dtype=torch.bfloat16), offsets, warmup=True)
+    finally:
+        torch.empty = torch_empty
+        gluon_gemm.use_triton = use_triton
+    for name, kernel in kernels.items():
+        ptx = kernel.asm["ptx"]
+        print(f"Triton {triton.__version__}, {name}: compiled for sm_90, {len(ptx.splitlines())} PTX lines, "
+              f"{kernel.metadata.shared} bytes of shared memory a CTA")
+        for pattern, what in ((r"\.reqnctapercluster \d+", "cluster size"),
+                              (r"cp\.async\.bulk\.tensor.*multicast::cluster.*", "w's multicast load"),
+                              (r"mov\.u32\s+%r\d+, %cluster_ctarank;", "the CTA's rank, read (rank 0 multicasts)"),
+                              (r"mbarrier\.arrive\.(?!expect).*", "arrives"),
+                              (r"barrier\.cluster\.\w+.*", "cluster barrier")):
+            hits = sorted(set(m.group(0).strip() for m in re.finditer(pattern, ptx)))
+            print(f"  {what}: {hits[:3] if hits else 'none'}")
+
+
+GROUPED_SHAPES = {  # rows (S = T k), experts, K, N: the layer's down projections (K = F) at top-k > 1
+    "sonic-1536 down": (262144, 128, 256, 1536), "sonic-1536 dx": (262144, 128, 512, 1536),
+    "qwen3 down": (131072, 128, 768, 2048), "olmoe down": (131072, 64, 1024, 2048),
+}
+
+
+def grouped(do_bench):
+    """The pair kernel against the plain Gluon kernel (one CTA a 128-row tile) and the float64
+    reference: first a small shape, then the layer's shapes, each timed in three alternated rounds."""
+    from megatron_moe.kernels.gluon_gemm import grouped_gemm_gluon
+    from megatron_moe.kernels.grouped import grouped_gemm_reference
+
+    dev = torch.device("cuda")
+    offsets = pair_offsets(4096, 8, dev)
+    a = torch.randn(4096, 256, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(8, 256, 512, device=dev, dtype=torch.bfloat16) / 16
+    ref = grouped_gemm_reference(a.double(), w.double(), offsets).float()
+    print(f"small (4096 rows, 8 experts, K 256, N 512): max |pair - float64| "
+          f"{(grouped_gemm_pair(a, w, offsets).float() - ref).abs().max().item():.3e}, "
+          f"max |plain - float64| {(grouped_gemm_gluon(a, w, offsets).float() - ref).abs().max().item():.3e}")
+    for name, (S, E, K, N) in GROUPED_SHAPES.items():
+        offsets = pair_offsets(S, E, dev)
+        a = torch.randn(S, K, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
+        same = torch.equal(grouped_gemm_pair(a, w, offsets), grouped_gemm_gluon(a, w, offsets))
+        ms = {"pair": [], "plain": []}
+        for _ in range(3):
+            ms["pair"].append(do_bench(lambda: grouped_gemm_pair(a, w, offsets)))
+            ms["plain"].append(do_bench(lambda: grouped_gemm_gluon(a, w, offsets)))
+        med = {k: sorted(v)[1] for k, v in ms.items()}
+        tf = 2 * S * K * N / 1e9
+        print(f"{name:<16} pair {med['pair']:.3f} ms ({tf / med['pair']:.0f} TFLOP/s)  plain {med['plain']:.3f} ms "
+              f"({tf / med['plain']:.0f})  {med['plain'] / med['pair']:.2f}x  {'same bits' if same else 'BITS DIFFER'}",
+              flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--grouped", action="store_true", help="the grouped pair kernel against the plain Gluon kernel")
+    p.add_argument("--m", type=int, default=32768)
+    p.add_argument("--k", type=int, default=1536)
+    args = p.parse_args()
+    if args.compile_only:
+        return compile_only()
+    torch.manual_seed(0)
+    if args.grouped:
+        return grouped(lambda f: triton.testing.do_bench(f, warmup=25, rep=100))
+    a = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(args.k, BN, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5
+    ref = (a.double() @ w.double()).float()
+    err = (cluster_gemm(a, w).float() - ref).abs().max().item()
+    print(f"max |c - a @ w (float64)|: {err:.3e} (bf16 rounding of |c| ~ {ref.abs().max().item() * 2 ** -8:.1e})")
+    ms = triton.testing.do_bench(lambda: cluster_gemm(a, w), warmup=25, rep=100)
+    ms_torch = triton.testing.do_bench(lambda: a @ w, warmup=25, rep=100)
+    tflop = 2 * args.m * args.k * BN / 1e12
+    print(f"cluster GEMM {ms:.3f} ms ({tflop / ms * 1e3:.0f} TFLOP/s); torch {ms_torch:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
