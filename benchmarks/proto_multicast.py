@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from megatron_moe.kernels._gluon import tma_load, tma_store  # either release's names
+from megatron_moe.kernels._gluon import async_copy, async_load, tma_load, tma_store  # either release's names
 
 BM, BN, BK, NUM_WARPS = 256, 256, 64, 8  # a cluster's tile (128 rows a CTA), w's block, the step
 PAIR = [[1, 0]]  # CTA bit 0 -> the second half of dim 0: each CTA its own rows
@@ -207,6 +207,159 @@ def _grouped_gemm_pair_kernel(a_desc, w_desc, out_desc, pair_e_ptr, pair_row_ptr
     ], [1], [40])
 
 
+# ---- the SwiGLU up projection in two-CTA clusters: a's rows gathered by cp.async in each CTA,
+# w's gate and up blocks multicast (the single-CTA kernel: kernels/gluon_gemm.py, swiglu) ----
+
+@gluon.jit
+def _pair_swiglu_producer(a_ptr, gather_ptr, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs, a_ready,
+                          w_ready, empty_pair, empty_own, K, F, stride_am, BLOCK_M: gl.constexpr,
+                          HALF_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                          PRODUCER_WARPS: gl.constexpr):
+    """Per step: the slot free in both CTAs and in this one, then w's gate and up blocks (multicast)
+    and this CTA's 128 gathered rows of a (cp.async, arriving on a_ready when they land)."""
+    load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0], cga_layout=[[1, 0]])
+    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, F, HALF_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for i in range(my_tiles):
+        t = pid + i * nprog
+        m = t // tiles_n
+        n0 = (t % tiles_n) * HALF_N
+        e = gl.load(pair_e_ptr + m)
+        rows = gl.load(gather_ptr + gl.load(pair_row_ptr + m) + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout)))
+        for kk in range(k_steps):
+            slot = count % NUM_BUF
+            phase = ((count // NUM_BUF) & 1) ^ 1
+            mbarrier.wait(empty_pair.index(slot), phase)
+            mbarrier.wait(empty_own.index(slot), phase)
+            bar = w_ready.index(slot)
+            mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
+            tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot), multicast=True)
+            tma_load(w_desc, [e * K + kk * BLOCK_K, F + n0], bar, w_bufs.index(2 * slot + 1), multicast=True)
+            cols = kk * BLOCK_K + gl.arange(0, BLOCK_K, gl.SliceLayout(0, load_layout))
+            async_load(a_bufs.index(slot), a_ptr + rows.to(gl.int64)[:, None] * stride_am + cols[None, :])
+            async_copy.mbarrier_arrive(a_ready.index(slot), increment_count=False)
+            count += 1
+
+
+@gluon.jit
+def _pair_swiglu_consumer(pre_desc, act_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_bufs, w_bufs,
+                          a_ready, w_ready, empty_pair, empty_own, K, F, BLOCK_M: gl.constexpr,
+                          HALF_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                          NUM_WARPS: gl.constexpr):
+    """Two MMAs a step (gate, up), the slot of the step before released in both CTAs; per tile
+    pre's gate and up blocks and silu(gate)·up by TMA (whole pairs only, as the plain pair kernel)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, HALF_N, 16], cga_layout=[[1, 0]])
+    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, F, HALF_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    count = 0
+    for i in range(my_tiles):
+        t = pid + i * nprog
+        m = t // tiles_n
+        n0 = (t % tiles_n) * HALF_N
+        row0 = gl.load(pair_row_ptr + m)
+        row_end = gl.load(pair_end_ptr + m)
+        acc_g = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
+        acc_u = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
+        for kk in range(k_steps):
+            slot = count % NUM_BUF
+            phase = (count // NUM_BUF) & 1
+            mbarrier.wait(w_ready.index(slot), phase)
+            mbarrier.wait(a_ready.index(slot), phase)
+            fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+            acc_g = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot), acc_g, use_acc=kk > 0, is_async=True)
+            acc_u = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot + 1), acc_u, use_acc=kk > 0,
+                                  is_async=True)
+            acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
+            gl.barrier()
+            prev = (count + NUM_BUF - 1) % NUM_BUF
+            mbarrier.arrive(empty_pair.index(prev), pred=kk > 0)
+            mbarrier.arrive(empty_own.index(prev), pred=kk > 0)
+            count += 1
+        acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
+        gl.barrier()
+        prev = (count + NUM_BUF - 1) % NUM_BUF
+        mbarrier.arrive(empty_pair.index(prev))
+        mbarrier.arrive(empty_own.index(prev))
+        if row0 + BLOCK_M <= row_end:
+            gate = acc_g.to(gl.bfloat16)
+            up = acc_u.to(gl.bfloat16)
+            tma.store_wait(0)
+            out_smem.index(0).store(gate)
+            out_smem.index(1).store(up)
+            fence_async_shared()
+            tma_store(pre_desc, [row0, n0], out_smem.index(0))
+            tma_store(pre_desc, [row0, F + n0], out_smem.index(1))
+            g = gate.to(gl.float32)
+            act = (g / (1.0 + gl.exp(-g)) * up.to(gl.float32)).to(gl.bfloat16)
+            tma.store_wait(1)  # the gate's store has read buffer 0
+            out_smem.index(0).store(act)
+            fence_async_shared()
+            tma_store(act_desc, [row0, n0], out_smem.index(0))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _pair_swiglu_kernel(a_ptr, gather_ptr, w_desc, pre_desc, act_desc, pair_e_ptr, pair_row_ptr, pair_end_ptr,
+                        num_p_ptr, K, F, stride_am, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                        NUM_WARPS: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
+    BLOCK_M: gl.constexpr = pre_desc.block_type.shape[0]
+    HALF_N: gl.constexpr = pre_desc.block_type.shape[1]
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16,
+                                                                   cga_layout=[[1, 0]])
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
+    out_smem = gl.allocate_shared_memory(pre_desc.dtype, [2] + pre_desc.block_type.shape, pre_desc.layout)
+    a_ready = mbarrier.allocate_mbarrier(batch=NUM_BUF)
+    w_ready = mbarrier.allocate_mbarrier(batch=NUM_BUF)
+    empty_pair = mbarrier.allocate_mbarrier(batch=NUM_BUF, two_ctas=True)
+    empty_own = mbarrier.allocate_mbarrier(batch=NUM_BUF)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(a_ready.index(i), count=PRODUCER_WARPS * 32)
+        mbarrier.init(w_ready.index(i), count=1)
+        mbarrier.init(empty_pair.index(i), count=1)
+        mbarrier.init(empty_own.index(i), count=1)
+    gl.warp_specialize([
+        (_pair_swiglu_consumer, (pre_desc, act_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_bufs, w_bufs,
+                                 a_ready, w_ready, empty_pair, empty_own, K, F, BLOCK_M, HALF_N, BLOCK_K, NUM_BUF,
+                                 NUM_WARPS)),
+        (_pair_swiglu_producer, (a_ptr, gather_ptr, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs,
+                                 a_ready, w_ready, empty_pair, empty_own, K, F, stride_am, BLOCK_M, HALF_N, BLOCK_K,
+                                 NUM_BUF, PRODUCER_WARPS)),
+    ], [PRODUCER_WARPS], [80])
+
+
+def swiglu_pair(x_TK, w_EKN, offsets_E1, gather_S, num_sms=132, warmup=False):
+    """(pre [S, 2F], silu(gate)·up [S, F]) = x[gather(s)] @ w[e(s)] in clusters of two CTAs, bf16;
+    whole 256-row pairs only (``pair_offsets``); no router weight (the single-CTA kernel's
+    act_scale) and the exact sigmoid, so compare pre's bits and act to rounding."""
+    from megatron_moe.kernels.gluon_gemm import tile_table
+
+    if not triton_at_least(3, 8):
+        raise RuntimeError(f"proto_multicast: the pair kernels need Triton >= 3.8 (torch >= 2.14); this is "
+                           f"{triton.__version__}")
+    S, K = gather_S.shape[0], x_TK.shape[1]
+    E, _, N = w_EKN.shape
+    F = N // 2
+    pre = torch.empty(S, N, device=x_TK.device, dtype=torch.bfloat16)
+    act = torch.empty(S, F, device=x_TK.device, dtype=torch.bfloat16)
+    pair_e, pair_row, pair_end, num_p = tile_table(offsets_E1, S, block_m=BM)
+    layout = gl.NVMMASharedLayout.get_default_for
+    half = layout([BM, 128], gl.bfloat16, cga_layout=PAIR)
+    w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BK, 128], layout([BK, 128], gl.bfloat16,
+                                                                            cga_layout=BROADCAST))
+    pre_desc = TensorDescriptor(pre, [S, N], [N, 1], [BM, 128], half)
+    act_desc = TensorDescriptor(act, [S, F], [F, 1], [BM, 128], half)
+    args = (x_TK, gather_S, w_desc, pre_desc, act_desc, pair_e, pair_row, pair_end, num_p, K, F, x_TK.stride(0))
+    kw = dict(BLOCK_K=BK, NUM_BUF=3, NUM_WARPS=NUM_WARPS, PRODUCER_WARPS=4, num_warps=NUM_WARPS, num_ctas=2,
+              grid=(num_sms // 2,))
+    if warmup:
+        return _pair_swiglu_kernel.warmup(*args, **kw)
+    _pair_swiglu_kernel[kw.pop("grid")](*args, **kw)
+    return pre, act
+
+
 def triton_at_least(major, minor):
     return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (major, minor)
 
@@ -262,6 +415,9 @@ def compile_only():
         offsets = pair_offsets(2048, 4, "cpu")
         kernels["grouped"] = grouped_gemm_pair(torch.zeros(2048, 256, dtype=torch.bfloat16),
                                                torch.zeros(4, 256, 1024, dtype=torch.bfloat16), offsets, warmup=True)
+        kernels["swiglu"] = swiglu_pair(torch.zeros(1024, 256, dtype=torch.bfloat16),
+                                        torch.zeros(4, 256, 512, dtype=torch.bfloat16), offsets,
+                                        torch.zeros(2048, dtype=torch.int32), warmup=True)
     finally:
         torch.empty = torch_empty
         gluon_gemm.use_triton = use_triton
@@ -282,10 +438,14 @@ GROUPED_SHAPES = {  # rows (S = T k), experts, K, N: the layer's down projection
     "sonic-1536 down": (262144, 128, 256, 1536), "sonic-1536 dx": (262144, 128, 512, 1536),
     "qwen3 down": (131072, 128, 768, 2048), "olmoe down": (131072, 64, 1024, 2048),
 }
+SWIGLU_SHAPES = {  # rows, experts, K (hidden), N (2F), tokens: the layer's up projections, x gathered
+    "sonic-1536 up": (262144, 128, 1536, 512, 32768), "qwen3 up": (131072, 128, 2048, 1536, 16384),
+    "olmoe up": (131072, 64, 2048, 2048, 16384),
+}
 
 
 def grouped(do_bench):
-    """The pair kernel against the plain Gluon kernel (one CTA a 128-row tile) and the float64
+    """The pair kernels against the single-CTA Gluon kernels (one CTA a 128-row tile) and the float64
     reference: first a small shape, then the layer's shapes, each timed in three alternated rounds."""
     from megatron_moe.kernels.gluon_gemm import grouped_gemm_gluon
     from megatron_moe.kernels.grouped import grouped_gemm_reference
@@ -312,6 +472,25 @@ def grouped(do_bench):
         print(f"{name:<16} pair {med['pair']:.3f} ms ({tf / med['pair']:.0f} TFLOP/s)  plain {med['plain']:.3f} ms "
               f"({tf / med['plain']:.0f})  {med['plain'] / med['pair']:.2f}x  {'same bits' if same else 'BITS DIFFER'}",
               flush=True)
+    for name, (S, E, K, N, T) in SWIGLU_SHAPES.items():
+        offsets = pair_offsets(S, E, dev)
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
+        gather = torch.randint(0, T, (S,), device=dev, dtype=torch.int32)
+        pre, act = swiglu_pair(x, w, offsets, gather)
+        pre1, act1 = grouped_gemm_gluon(x, w, offsets, gather_S=gather, activation="swiglu")
+        same = torch.equal(pre, pre1)
+        act_diff = (act.float() - act1.float()).abs().max().item()
+        ms = {"pair": [], "plain": []}
+        for _ in range(3):
+            ms["pair"].append(do_bench(lambda: swiglu_pair(x, w, offsets, gather)))
+            ms["plain"].append(do_bench(lambda: grouped_gemm_gluon(x, w, offsets, gather_S=gather,
+                                                                   activation="swiglu")))
+        med = {k: sorted(v)[1] for k, v in ms.items()}
+        tf = 2 * S * K * N / 1e9
+        print(f"{name:<16} pair {med['pair']:.3f} ms ({tf / med['pair']:.0f} TFLOP/s)  single-CTA "
+              f"{med['plain']:.3f} ms ({tf / med['plain']:.0f})  {med['plain'] / med['pair']:.2f}x  pre "
+              f"{'same bits' if same else 'BITS DIFFER'}, act within {act_diff:.2g}", flush=True)
 
 
 def main():
