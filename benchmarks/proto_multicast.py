@@ -205,6 +205,7 @@ def _grouped_gemm_pair_kernel(a_desc, w_desc, out_desc, pair_e_ptr, pair_row_ptr
         (_pair_producer, (a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs, ready, empty_pair,
                           empty_own, K, N, BLOCK_N, BLOCK_K, NUM_BUF)),
     ], [1], [40])
+    gl.barrier(cluster=True)  # neither CTA leaves while the other may still arrive on its barriers
 
 
 # ---- the SwiGLU up projection in two-CTA clusters: a's rows gathered by cp.async in each CTA,
@@ -328,6 +329,7 @@ def _pair_swiglu_kernel(a_ptr, gather_ptr, w_desc, pre_desc, act_desc, pair_e_pt
                                  a_ready, w_ready, empty_pair, empty_own, K, F, stride_am, BLOCK_M, HALF_N, BLOCK_K,
                                  NUM_BUF, PRODUCER_WARPS)),
     ], [PRODUCER_WARPS], [80])
+    gl.barrier(cluster=True)
 
 
 def swiglu_pair(x_TK, w_EKN, offsets_E1, gather_S, num_sms=132, warmup=False):
