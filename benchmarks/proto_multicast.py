@@ -1,21 +1,30 @@
-"""Experiment (issue #35): what a two-CTA cluster with TMA multicast looks like in Gluon, on the
-Triton that torch 2.12 and 2.13 install (3.7.0, 3.7.1); Triton 3.6 (torch 2.11) has no multicast.
+"""Experiment (issue #35): Gluon kernels in two-CTA clusters that load w's block once and multicast it
+into both CTAs' shared memory, a third fewer L2 bytes a tile than our single-CTA kernels (the lever
+the performance notes name for the gathered and short-reduction GEMMs: docs/performance.md, "TMA
+multicast in the Triton of torch 2.12 to 2.14").
 
-    python benchmarks/proto_multicast.py --compile-only   # any machine, Triton >= 3.7: compiles for
-                                                          #   sm_90 and prints the PTX lines that matter
-    python benchmarks/proto_multicast.py                  # an sm_90 GPU with Triton >= 3.7: checks the
-                                                          #   product against torch, then times it
+    python benchmarks/proto_multicast.py --compile-only   # any machine, Triton >= 3.8: compiles the three
+                                                          #   kernels for sm_90, prints the PTX lines that matter
+    python benchmarks/proto_multicast.py                  # an sm_90 GPU: the smoke GEMM checked and timed
+    python benchmarks/proto_multicast.py --grouped        # an sm_90 GPU: the pair kernels against the
+                                                          #   single-CTA Gluon kernels at the layer's shapes
 
-c = a @ w with 256-row cluster tiles: the two CTAs of a cluster take 128 rows each (a's block
-sharded along M, ``cga_layout=[[1, 0]]``) and share w's [64, 256] block, loaded once by TMA and
-multicast into both CTAs' shared memory (``cga_layout=[[0, 0]]``, ``multicast=True``): w's L2
-traffic halved, the lever the performance notes name for the gathered GEMMs (docs/performance.md,
-"TMA multicast in the Triton of torch 2.12 and 2.13"). Not pipelined: one slot, and a cluster
-barrier after each step's MMAs before the next multicast may overwrite the partner's copy of w.
-That barrier is the open problem: in a warp-specialised kernel (ours) the consumer of each CTA
-must release the slot to the CTA that issues the multicast, and Triton 3.7.1 compiles a two-CTA
-mbarrier's arrive (``mbarrier.allocate_mbarrier(two_ctas=True)``) to a local arrive on Hopper,
-while cluster barriers may not run inside ``warp_specialize``. ``--compile-only`` shows both.
+A program is a cluster; a's (or the gathered x's) 256-row block is sharded over its two CTAs
+(``cga_layout=[[1, 0]]``: 128 rows each), w's block is held whole by both (``cga_layout=[[0, 0]]``)
+and loaded by ``multicast=True``, which the CTA of rank 0 issues for both.
+  smoke (``cluster_gemm``): c = a @ w, one slot, a cluster barrier after each step (Triton >= 3.7).
+  pair (``grouped_gemm_pair``): the plain row-grouped GEMM (sorted rows, both operands by TMA: the
+      down projection at top-k > 1), persistent and warp-specialised as kernels/gluon_gemm.py's,
+      over 256-row pairs of one expert's tiles; a ring slot is released to the multicasting CTA by a
+      two-CTA mbarrier (``mbarrier.allocate_mbarrier(two_ctas=True)``: each consumer arrives on the
+      lead CTA's barrier, the lead's producer waits), and to its own rows' producer by one a CTA.
+  swiglu (``swiglu_pair``): the SwiGLU up projection the same way, each CTA gathering its 128 rows of
+      x by ``cp.async``, the gate's and the up projection's blocks multicast.
+The pair kernels need Triton >= 3.8 (torch >= 2.14): 3.7 (torch 2.12, 2.13) compiles the two-CTA
+barrier's arrive as a local one (a race), and 3.6 (torch 2.11, the GPU machines') has no multicast;
+on those machines a stripped Triton 3.8 travels with the call. They store whole pairs only (an
+expert's rows a multiple of 256, ``pair_offsets``): Triton 3.8's ``gl.store`` refuses a cluster
+layout, so a partial tile needs a TMA store through a descriptor clipped at the expert's end.
 """
 from __future__ import annotations
 
