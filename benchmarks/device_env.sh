@@ -2,7 +2,8 @@
 # root: run from a source checkout without `pip install` (kernels/ and tools/ mapped into
 # megatron_moe by symlinks, as setup.py maps them on install; PYTHONPATH=$PWD), and helpers they
 # share. Optional: wheels put in .whl/ (e.g. megatron-core, for a machine without a package
-# index) are installed into /tmp/site first. An installed megatron-moe works as well. The wheels
+# index) are installed into /tmp/site first; a Triton carried in .tri/ (benchmarks/triton_bundle.sh) is
+# unpacked and put first on the path. An installed megatron-moe works as well. The wheels
 # the GPU stages use (megatron-core and pydantic for the model tests and Megatron-LM; pytest-xdist
 # for the test stages' workers), fetched where there is an index:
 #   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -13,6 +14,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ls .tri/triton-*.tar.xz >/dev/null 2>&1; then  # a carried Triton (benchmarks/triton_bundle.sh), first on the path
+  tri_tar=$(ls .tri/triton-*.tar.xz | head -n 1); tri_dir=/tmp/tri-$(basename "$tri_tar" .tar.xz)
+  [[ -d $tri_dir/triton ]] || { mkdir -p "$tri_dir" && tar xJf "$tri_tar" -C "$tri_dir"; } || exit 1
+  export PYTHONPATH=$tri_dir${PYTHONPATH:+:$PYTHONPATH}
 fi
 for d in kernels tools; do [[ -e megatron_moe/$d ]] || ln -sfn ../$d megatron_moe/$d; done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -1,0 +1,38 @@
+"""benchmarks/triton_bundle.sh refuses to run without a Triton version, before it downloads anything,
+and benchmarks/device_env.sh puts a carried bundle first on the path (the bundle here a stand-in:
+a tar of a one-line triton package)."""
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_no_version_prints_the_usage_and_leaves_no_bundle(tmp_path):
+    shutil.copytree(REPO / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("results"))
+    proc = subprocess.run(["bash", "benchmarks/triton_bundle.sh"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "usage: bash benchmarks/triton_bundle.sh VERSION" in proc.stderr
+    assert not (tmp_path / ".tri").exists()
+
+
+def test_device_env_puts_the_carried_triton_first_on_the_path(tmp_path):
+    (tmp_path / "benchmarks").mkdir()
+    shutil.copy(REPO / "benchmarks" / "device_env.sh", tmp_path / "benchmarks")
+    (tmp_path / "megatron_moe").mkdir()
+    pkg = tmp_path / "pkg" / "triton"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("__version__ = '9.9.test'\n")
+    (tmp_path / ".tri").mkdir()
+    name = f"triton-9.9.test-{tmp_path.name}"  # its own folder under /tmp
+    with tarfile.open(tmp_path / ".tri" / f"{name}.tar.xz", "w:xz") as tar:
+        tar.add(pkg, arcname="triton")
+    script = ("source benchmarks/device_env.sh && "
+              "python3 -c 'import triton; print(triton.__version__, triton.__file__)'")
+    try:
+        proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["9.9.test", f"/tmp/tri-{name}/triton/__init__.py"], proc.stdout
+    finally:
+        shutil.rmtree(f"/tmp/tri-{name}", ignore_errors=True)
