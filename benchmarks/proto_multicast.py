@@ -22,9 +22,10 @@ and loaded by ``multicast=True``, which the CTA of rank 0 issues for both.
       x by ``cp.async``, the gate's and the up projection's blocks multicast.
 The pair kernels need Triton >= 3.8 (torch >= 2.14): 3.7 (torch 2.12, 2.13) compiles the two-CTA
 barrier's arrive as a local one (a race), and 3.6 (torch 2.11, the GPU machines') has no multicast;
-on those machines a stripped Triton 3.8 travels with the call. They store whole pairs only (an
-expert's rows a multiple of 256, ``pair_offsets``): Triton 3.8's ``gl.store`` refuses a cluster
-layout, so a partial tile needs a TMA store through a descriptor clipped at the expert's end.
+on those machines a stripped Triton 3.8 travels with the call (benchmarks/triton_bundle.sh). They
+store whole pairs only (an expert's rows a multiple of 256, ``pair_offsets``): Triton 3.8's
+``gl.store`` refuses a cluster layout, so a partial tile needs a TMA store through a descriptor
+clipped at the expert's end.
 """
 from __future__ import annotations
 
