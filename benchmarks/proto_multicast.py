@@ -125,6 +125,21 @@ def _pair_tiles(num_p_ptr, N, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _pair_tile(t, tiles_n, pair_row_ptr, pair_end_ptr, BLOCK_N: gl.constexpr):
+    """Tile t's pair (an index into the pair table), first column, first row and its expert's end."""
+    m = t // tiles_n
+    return m, (t % tiles_n) * BLOCK_N, gl.load(pair_row_ptr + m), gl.load(pair_end_ptr + m)
+
+
+@gluon.jit
+def _release(empty_pair, empty_own, slot, pred):
+    """A consumer done with a slot: to the CTA that multicasts into it (a remote arrive from the other
+    CTA) and to this CTA's producer of a's rows."""
+    mbarrier.arrive(empty_pair.index(slot), pred=pred)
+    mbarrier.arrive(empty_own.index(slot), pred=pred)
+
+
+@gluon.jit
 def _pair_producer(a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs, ready, empty_pair,
                    empty_own, K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
     """Per step: the slot free in both CTAs (empty_pair, waited on by the CTA that issues the
@@ -164,11 +179,7 @@ def _pair_consumer(out_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_
     k_steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for i in range(my_tiles):
-        t = pid + i * nprog
-        m = t // tiles_n
-        n0 = (t % tiles_n) * BLOCK_N
-        row0 = gl.load(pair_row_ptr + m)
-        row_end = gl.load(pair_end_ptr + m)
+        m, n0, row0, row_end = _pair_tile(pid + i * nprog, tiles_n, pair_row_ptr, pair_end_ptr, BLOCK_N)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         for kk in range(k_steps):
             slot = count % NUM_BUF
@@ -176,15 +187,11 @@ def _pair_consumer(out_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_
             acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot), acc, use_acc=kk > 0, is_async=True)
             acc = warpgroup_mma_wait(1, deps=[acc])
             gl.barrier()  # both warpgroups', before the arrivals
-            prev = (count + NUM_BUF - 1) % NUM_BUF
-            mbarrier.arrive(empty_pair.index(prev), pred=kk > 0)
-            mbarrier.arrive(empty_own.index(prev), pred=kk > 0)
+            _release(empty_pair, empty_own, (count + NUM_BUF - 1) % NUM_BUF, kk > 0)
             count += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
         gl.barrier()
-        prev = (count + NUM_BUF - 1) % NUM_BUF
-        mbarrier.arrive(empty_pair.index(prev))
-        mbarrier.arrive(empty_own.index(prev))
+        _release(empty_pair, empty_own, (count + NUM_BUF - 1) % NUM_BUF, True)
         if row0 + BLOCK_M <= row_end:
             tma.store_wait(0)
             out_smem.store(acc.to(gl.bfloat16))
@@ -266,11 +273,7 @@ def _pair_swiglu_consumer(pre_desc, act_desc, out_smem, pair_row_ptr, pair_end_p
     k_steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for i in range(my_tiles):
-        t = pid + i * nprog
-        m = t // tiles_n
-        n0 = (t % tiles_n) * HALF_N
-        row0 = gl.load(pair_row_ptr + m)
-        row_end = gl.load(pair_end_ptr + m)
+        m, n0, row0, row_end = _pair_tile(pid + i * nprog, tiles_n, pair_row_ptr, pair_end_ptr, HALF_N)
         acc_g = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
         acc_u = gl.zeros([BLOCK_M, HALF_N], gl.float32, acc_layout)
         for kk in range(k_steps):
@@ -284,15 +287,11 @@ def _pair_swiglu_consumer(pre_desc, act_desc, out_smem, pair_row_ptr, pair_end_p
                                   is_async=True)
             acc_g, acc_u = warpgroup_mma_wait(2, deps=[acc_g, acc_u])
             gl.barrier()
-            prev = (count + NUM_BUF - 1) % NUM_BUF
-            mbarrier.arrive(empty_pair.index(prev), pred=kk > 0)
-            mbarrier.arrive(empty_own.index(prev), pred=kk > 0)
+            _release(empty_pair, empty_own, (count + NUM_BUF - 1) % NUM_BUF, kk > 0)
             count += 1
         acc_g, acc_u = warpgroup_mma_wait(0, deps=[acc_g, acc_u])
         gl.barrier()
-        prev = (count + NUM_BUF - 1) % NUM_BUF
-        mbarrier.arrive(empty_pair.index(prev))
-        mbarrier.arrive(empty_own.index(prev))
+        _release(empty_pair, empty_own, (count + NUM_BUF - 1) % NUM_BUF, True)
         if row0 + BLOCK_M <= row_end:
             gate = acc_g.to(gl.bfloat16)
             up = acc_u.to(gl.bfloat16)
