@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megatron_moe.kernels._gluon import async_copy, async_load, tma_load, tma_store  # either release's names
+from megatron_moe.kernels.gluon_gemm import program_tiles, tile_mn  # a program is a cluster here: gl.program_id's
 
 BM, BN, BK, NUM_WARPS = 256, 256, 64, 8  # a cluster's tile (128 rows a CTA), w's block, the step
 PAIR = [[1, 0]]  # CTA bit 0 -> the second half of dim 0: each CTA its own rows
@@ -115,20 +116,10 @@ def cluster_gemm(a, w, two_cta_barrier=False, warmup=False):
 # ---- the row-grouped plain GEMM in two-CTA clusters (Triton >= 3.8: slots released across CTAs) ----
 
 @gluon.jit
-def _pair_tiles(num_p_ptr, N, BLOCK_N: gl.constexpr):
-    """This cluster's tiles t = pid, pid + nclusters, ... of num_pairs x tiles_n (columns fastest)."""
-    pid = gl.program_id(0)  # a program is a cluster
-    nprog = gl.num_programs(0)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    total = gl.load(num_p_ptr) * tiles_n
-    return pid, nprog, tiles_n, gl.cdiv(gl.maximum(total - pid, 0), nprog)
-
-
-@gluon.jit
 def _pair_tile(t, tiles_n, pair_row_ptr, pair_end_ptr, BLOCK_N: gl.constexpr):
     """Tile t's pair (an index into the pair table), first column, first row and its expert's end."""
-    m = t // tiles_n
-    return m, (t % tiles_n) * BLOCK_N, gl.load(pair_row_ptr + m), gl.load(pair_end_ptr + m)
+    m, n0 = tile_mn(t, tiles_n, BLOCK_N)
+    return m, n0, gl.load(pair_row_ptr + m), gl.load(pair_end_ptr + m)
 
 
 @gluon.jit
@@ -145,13 +136,11 @@ def _pair_producer(a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, 
     """Per step: the slot free in both CTAs (empty_pair, waited on by the CTA that issues the
     multicast) and in this one (empty_own), then each CTA's rows of a by TMA and w's block once,
     multicast into both CTAs."""
-    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, N, BLOCK_N)
+    pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_p_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for i in range(my_tiles):
-        t = pid + i * nprog
-        m = t // tiles_n
-        n0 = (t % tiles_n) * BLOCK_N
+        m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
         e = gl.load(pair_e_ptr + m)
         row0 = gl.load(pair_row_ptr + m)
         for kk in range(k_steps):
@@ -175,7 +164,7 @@ def _pair_consumer(out_desc, out_smem, pair_row_ptr, pair_end_ptr, num_p_ptr, a_
     times whole pairs only: see ``pair_offsets``)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16], cga_layout=[[1, 0]])
-    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, N, BLOCK_N)
+    pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_p_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for i in range(my_tiles):
@@ -236,13 +225,11 @@ def _pair_swiglu_producer(a_ptr, gather_ptr, w_desc, pair_e_ptr, pair_row_ptr, n
     """Per step: the slot free in both CTAs and in this one, then w's gate and up blocks (multicast)
     and this CTA's 128 gathered rows of a (cp.async, arriving on a_ready when they land)."""
     load_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0], cga_layout=[[1, 0]])
-    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, F, HALF_N)
+    pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_p_ptr, F, HALF_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for i in range(my_tiles):
-        t = pid + i * nprog
-        m = t // tiles_n
-        n0 = (t % tiles_n) * HALF_N
+        m, n0 = tile_mn(pid + i * nprog, tiles_n, HALF_N)
         e = gl.load(pair_e_ptr + m)
         rows = gl.load(gather_ptr + gl.load(pair_row_ptr + m) + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout)))
         for kk in range(k_steps):
@@ -269,7 +256,7 @@ def _pair_swiglu_consumer(pre_desc, act_desc, out_smem, pair_row_ptr, pair_end_p
     pre's gate and up blocks and silu(gate)·up by TMA (whole pairs only, as the plain pair kernel)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                          instr_shape=[16, HALF_N, 16], cga_layout=[[1, 0]])
-    pid, nprog, tiles_n, my_tiles = _pair_tiles(num_p_ptr, F, HALF_N)
+    pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_p_ptr, F, HALF_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     count = 0
     for i in range(my_tiles):
