@@ -18,7 +18,8 @@ fi
 if ls .tri/triton-*.tar.xz >/dev/null 2>&1; then  # a carried Triton (benchmarks/triton_bundle.sh), first on the path
   tri_tar=$(ls .tri/triton-*.tar.xz | head -n 1); tri_dir=/tmp/tri-$(basename "$tri_tar" .tar.xz)
   [[ -d $tri_dir/triton ]] || { mkdir -p "$tri_dir" && tar xJf "$tri_tar" -C "$tri_dir"; } || exit 1
-  export PYTHONPATH=$tri_dir${PYTHONPATH:+:$PYTHONPATH}
+  # its backends found in its own tree: the entry points of the installed Triton name an AMD backend the bundle lacks
+  export PYTHONPATH=$tri_dir${PYTHONPATH:+:$PYTHONPATH} TRITON_BACKENDS_IN_TREE=1
 fi
 for d in kernels tools; do [[ -e megatron_moe/$d ]] || ln -sfn ../$d megatron_moe/$d; done
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
