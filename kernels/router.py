@@ -32,10 +32,20 @@ from ._common import cdiv, next_power_of_2
 from .launcher import launch
 
 
-def _blocks(E: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_E, BLOCK_K): a [BLOCK_T, BLOCK_E] fp32 tile of at most 4096 elements."""
+def _blocks(E: int, K: int, elements: int = 4096) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_E, BLOCK_K): a [BLOCK_T, BLOCK_E] fp32 tile of at most ``elements``."""
     block_e = next_power_of_2(max(E, 2))
-    return max(1, min(128, 4096 // block_e)), block_e, next_power_of_2(max(K, 2))
+    return max(1, min(128, elements // block_e)), block_e, next_power_of_2(max(K, 2))
+
+
+# The launches' tiles and warps, timed on an H100 (2026-12-07; docs/performance.md, "The router's
+# small kernels swept"): the forward keeps 4096-element tiles and 4 warps (the sweep's best at
+# E 64 and 128); the backward at 65-128 experts takes 2048-element tiles and 2 warps (1.8x at
+# sonic-1536's and qwen3's E 128, top-8), 4096 and 4 elsewhere; the one-program sum of the
+# forward's partials reads 65536 elements a step with 16 warps (2.8x at 131072 tokens, E 64).
+BWD_ELEMENTS = {128: (2048, 2)}
+"""BLOCK_E: (tile elements, warps) of the backward; other BLOCK_E take (4096, 4)."""
+SUM_ELEMENTS, SUM_WARPS = 65536, 16
 
 
 @triton.jit
@@ -221,7 +231,8 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     launch(_route_sum_kernel, (1,),
            (part_counts, part_probs, part_lse2, counts_E, aux, z, G, E, _aux_scale(aux_coeff, T, E, top_k),
             z_coeff / T),
-           dict(BLOCK_G=max(2, min(16384 // BLOCK_E, next_power_of_2(G))), BLOCK_E=BLOCK_E, num_warps=8))
+           dict(BLOCK_G=max(2, min(SUM_ELEMENTS // BLOCK_E, next_power_of_2(G))), BLOCK_E=BLOCK_E,
+                num_warps=SUM_WARPS))
     return ids_TK, weights_TK, counts_E, aux, z
 
 
@@ -232,7 +243,8 @@ def route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz, *, soft
     K = ids_TK.shape[1]
     if logits_TE.stride(1) != 1:
         logits_TE = logits_TE.contiguous()
-    BLOCK_T, BLOCK_E, _ = _blocks(E, K)
+    elements, warps = BWD_ELEMENTS.get(next_power_of_2(max(E, 2)), (4096, 4))
+    BLOCK_T, BLOCK_E, _ = _blocks(E, K, elements)
     dlogits_TE = torch.empty(T, E, device=logits_TE.device, dtype=torch.float32)
     if T == 0:
         return dlogits_TE
@@ -243,7 +255,7 @@ def route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz, *, soft
             daux if has_aux else dummy, dz if has_z else dummy, dlogits_TE, T, E, logits_TE.stride(0),
             _aux_scale(aux_coeff, T, E, K), 2.0 * z_coeff / T),
            dict(K=K, SOFTMAX=softmax, NORMALIZE=normalize, HAS_DW=dweights_TK is not None, HAS_AUX=has_aux, HAS_Z=has_z,
-                BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4))
+                BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=warps))
     return dlogits_TE
 
 
