@@ -111,8 +111,7 @@ def main():
         for elements, warps in itertools.product(TILES, WARPS):
             brun, dlogits_TE = backward(logits_TE, ids_TK, counts_E, elements, warps)
             rows.append((us(brun), f"tile {elements} warps {warps}", [dlogits_TE.clone()]))
-        bwd = R.BWD_ELEMENTS.get(next_power_of_2(E), (4096, 4))
-        report(shape, "bwd", rows, f"tile {bwd[0]} warps {bwd[1]}")
+        report(shape, "bwd", rows, f"tile {R.BWD_TILE[0]} warps {R.BWD_TILE[1]}")
 
 
 if __name__ == "__main__":

@@ -38,14 +38,14 @@ def _blocks(E: int, K: int, elements: int = 4096) -> tuple[int, int, int]:
     return max(1, min(128, elements // block_e)), block_e, next_power_of_2(max(K, 2))
 
 
-# The launches' tiles and warps, timed on an H100 (2026-12-07; docs/performance.md, "The router's
-# small kernels swept"): the forward keeps 4096-element tiles and 4 warps (the sweep's best at
-# E 64 and 128); the backward at 65-128 experts takes 2048-element tiles and 2 warps (1.8x at
-# sonic-1536's and qwen3's E 128, top-8), 4096 and 4 elsewhere; the one-program sum of the
-# forward's partials reads 65536 elements a step with 16 warps (2.8x at 131072 tokens, E 64).
-BWD_ELEMENTS = {128: (2048, 2)}
-"""BLOCK_E: (tile elements, warps) of the backward; other BLOCK_E take (4096, 4)."""
-SUM_ELEMENTS, SUM_WARPS = 65536, 16
+# The backward's and the partials' sum's launches (the forward's: 4096-element tiles, 4 warps).
+# benchmarks/bench_route.py sweeps them; on an H100 (2026-12-07; docs/performance.md, "The router's
+# small kernels swept") the backward ran 1.8x faster at 128 experts / top-8 in 2048-element tiles
+# with 2 warps and the sum 2.8x at 131072 tokens with 65536 elements a step and 16 warps: not taken
+# until the GPU tests have run with them.
+BWD_TILE = (4096, 4)
+"""(elements of a [BLOCK_T, BLOCK_E] tile, warps) of the backward's launch."""
+SUM_ELEMENTS, SUM_WARPS = 16384, 8
 
 
 @triton.jit
@@ -243,7 +243,7 @@ def route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz, *, soft
     K = ids_TK.shape[1]
     if logits_TE.stride(1) != 1:
         logits_TE = logits_TE.contiguous()
-    elements, warps = BWD_ELEMENTS.get(next_power_of_2(max(E, 2)), (4096, 4))
+    elements, warps = BWD_TILE
     BLOCK_T, BLOCK_E, _ = _blocks(E, K, elements)
     dlogits_TE = torch.empty(T, E, device=logits_TE.device, dtype=torch.float32)
     if T == 0:

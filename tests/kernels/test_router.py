@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _util import needs_triton_kernels, triton_kernels_run
-from megatron_moe.kernels.router import BWD_ELEMENTS, _blocks, route_reference
+from megatron_moe.kernels.router import BWD_TILE, _blocks, route_reference
 from megatron_moe.ops.route import route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,7 +47,7 @@ CASES = [  # T, E, K
     (5, 1, 1),     # one expert
     (9, 64, 8),    # many experts
     (2, 130, 4),   # E past a power of two: BLOCK_E = 256, BLOCK_T = 16
-    (37, 100, 8),  # BLOCK_E = 128: the backward's 16-token blocks (three, the last partial), top-8
+    (37, 100, 8),  # BLOCK_E = 128, top-8: two token blocks, the last partial
 ]
 
 
@@ -123,9 +123,8 @@ def test_tile_stays_within_4096_elements():
     for E in (1, 2, 3, 8, 64, 128, 130, 512, 4096):
         bt, be, bk = _blocks(E, 1)
         assert be >= E and bt * be <= max(4096, be) and bt >= 1 and bk >= 2
-        elements, _ = BWD_ELEMENTS.get(be, (4096, 4))
-        bt, be, _ = _blocks(E, 1, elements)
-        assert be >= E and bt * be <= max(elements, be) <= max(4096, be) and bt >= 1
+        bt, be, _ = _blocks(E, 1, BWD_TILE[0])
+        assert be >= E and bt * be <= max(4096, be) and bt >= 1
 
 
 def test_bad_logits_are_a_clear_error():
