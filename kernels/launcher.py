@@ -22,7 +22,7 @@ keyword is still right, only keyed by its value.
 Triton's own launch runs instead: under the interpreter, with ``MEGATRON_MOE_FAST_LAUNCH=0``
 (kernels/switches.py), while a launch hook is set (Triton's profiler), for an argument type not
 listed in :func:`arg_key`, and in a Triton whose JIT launch is not the one this mirrors (checked
-once, from its source: Triton 3.6 and 3.9 are).
+once, from its source: Triton 3.6, 3.7.1, 3.8.0 and 3.9 are).
 """
 from __future__ import annotations
 
