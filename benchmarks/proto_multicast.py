@@ -131,10 +131,21 @@ def _release(empty_pair, empty_own, slot, pred):
 
 
 @gluon.jit
+def _acquire(empty_pair, empty_own, count, NUM_BUF: gl.constexpr):
+    """A producer's slot for ring step ``count``, once it is free in both CTAs (empty_pair, waited on
+    by the CTA that issues the multicast) and in this one (empty_own); the first pass finds every
+    slot free."""
+    slot = count % NUM_BUF
+    phase = ((count // NUM_BUF) & 1) ^ 1
+    mbarrier.wait(empty_pair.index(slot), phase)
+    mbarrier.wait(empty_own.index(slot), phase)
+    return slot
+
+
+@gluon.jit
 def _pair_producer(a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, w_bufs, ready, empty_pair,
                    empty_own, K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Per step: the slot free in both CTAs (empty_pair, waited on by the CTA that issues the
-    multicast) and in this one (empty_own), then each CTA's rows of a by TMA and w's block once,
+    """Per step: a free slot (:func:`_acquire`), then each CTA's rows of a by TMA and w's block once,
     multicast into both CTAs."""
     pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_p_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -144,10 +155,7 @@ def _pair_producer(a_desc, w_desc, pair_e_ptr, pair_row_ptr, num_p_ptr, a_bufs, 
         e = gl.load(pair_e_ptr + m)
         row0 = gl.load(pair_row_ptr + m)
         for kk in range(k_steps):
-            slot = count % NUM_BUF
-            phase = ((count // NUM_BUF) & 1) ^ 1  # the first pass finds every slot free
-            mbarrier.wait(empty_pair.index(slot), phase)
-            mbarrier.wait(empty_own.index(slot), phase)
+            slot = _acquire(empty_pair, empty_own, count, NUM_BUF)
             bar = ready.index(slot)
             mbarrier.expect(bar, a_desc.block_type.nbytes // 2 + w_desc.block_type.nbytes)
             tma_load(a_desc, [row0, kk * BLOCK_K], bar, a_bufs.index(slot))
@@ -233,10 +241,7 @@ def _pair_swiglu_producer(a_ptr, gather_ptr, w_desc, pair_e_ptr, pair_row_ptr, n
         e = gl.load(pair_e_ptr + m)
         rows = gl.load(gather_ptr + gl.load(pair_row_ptr + m) + gl.arange(0, BLOCK_M, gl.SliceLayout(1, load_layout)))
         for kk in range(k_steps):
-            slot = count % NUM_BUF
-            phase = ((count // NUM_BUF) & 1) ^ 1
-            mbarrier.wait(empty_pair.index(slot), phase)
-            mbarrier.wait(empty_own.index(slot), phase)
+            slot = _acquire(empty_pair, empty_own, count, NUM_BUF)
             bar = w_ready.index(slot)
             mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
             tma_load(w_desc, [e * K + kk * BLOCK_K, n0], bar, w_bufs.index(2 * slot), multicast=True)
