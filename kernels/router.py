@@ -38,13 +38,13 @@ def _blocks(E: int, K: int, elements: int = 4096) -> tuple[int, int, int]:
     return max(1, min(128, elements // block_e)), block_e, next_power_of_2(max(K, 2))
 
 
-# The backward's and the partials' sum's launches (the forward's: 4096-element tiles, 4 warps).
-# benchmarks/bench_route.py sweeps them; on an H100 (2026-12-07; docs/performance.md, "The router's
-# small kernels swept") the backward ran 1.8x faster at 128 experts / top-8 in 2048-element tiles
-# with 2 warps and the sum 2.8x at 131072 tokens with 65536 elements a step and 16 warps: not taken
-# until the GPU tests have run with them.
+# The three kernels' launches: (elements of a [BLOCK_T, BLOCK_E] tile, warps) of the forward and the
+# backward, elements a step and warps of the one-program sum. benchmarks/bench_route.py sweeps them;
+# on an H100 (2026-12-07; docs/performance.md, "The router's small kernels swept") the backward ran
+# 1.8x faster at 128 experts / top-8 in 2048-element tiles with 2 warps and the sum 2.8x at 131072
+# tokens with 65536 elements a step and 16 warps: not taken until the GPU tests have run with them.
+FWD_TILE = (4096, 4)
 BWD_TILE = (4096, 4)
-"""(elements of a [BLOCK_T, BLOCK_E] tile, warps) of the backward's launch."""
 SUM_ELEMENTS, SUM_WARPS = 16384, 8
 
 
@@ -210,7 +210,8 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     T, E = logits_TE.shape
     if logits_TE.stride(1) != 1:
         logits_TE = logits_TE.contiguous()
-    BLOCK_T, BLOCK_E, BLOCK_K = _blocks(E, top_k)
+    elements, warps = FWD_TILE
+    BLOCK_T, BLOCK_E, BLOCK_K = _blocks(E, top_k, elements)
     G = cdiv(T, BLOCK_T)
     dev = logits_TE.device
     ids_TK = torch.empty(T, top_k, device=dev, dtype=torch.int64)
@@ -224,7 +225,7 @@ def route_fwd_triton(logits_TE, bias_E, top_k, *, softmax=True, normalize=False,
     launch(_route_fwd_kernel, (G,),
            (logits_TE, bias, ids_TK, weights_TK, part_counts, part_probs, part_lse2, T, E, logits_TE.stride(0)),
            dict(K=top_k, SOFTMAX=softmax, NORMALIZE=normalize, HAS_BIAS=bias_E is not None, BLOCK_T=BLOCK_T,
-                BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, num_warps=4))
+                BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, num_warps=warps))
     counts_E = torch.empty(E, device=dev, dtype=torch.int64)
     aux = torch.empty((), device=dev, dtype=torch.float32)
     z = torch.empty((), device=dev, dtype=torch.float32)
