@@ -18,10 +18,15 @@ def test_no_version_prints_the_usage_and_leaves_no_bundle(tmp_path):
     assert not (tmp_path / ".tri").exists()
 
 
+def _device_env_tree(root):
+    """A repository root with just what benchmarks/device_env.sh reads."""
+    (root / "benchmarks").mkdir()
+    shutil.copy(REPO / "benchmarks" / "device_env.sh", root / "benchmarks")
+    (root / "megatron_moe").mkdir()
+
+
 def test_device_env_puts_the_carried_triton_first_on_the_path(tmp_path):
-    (tmp_path / "benchmarks").mkdir()
-    shutil.copy(REPO / "benchmarks" / "device_env.sh", tmp_path / "benchmarks")
-    (tmp_path / "megatron_moe").mkdir()
+    _device_env_tree(tmp_path)
     pkg = tmp_path / "pkg" / "triton"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("__version__ = '9.9.test'\n")
@@ -41,9 +46,7 @@ def test_device_env_puts_the_carried_triton_first_on_the_path(tmp_path):
 
 
 def test_device_env_without_a_bundle_leaves_the_backend_discovery_alone(tmp_path):
-    (tmp_path / "benchmarks").mkdir()
-    shutil.copy(REPO / "benchmarks" / "device_env.sh", tmp_path / "benchmarks")
-    (tmp_path / "megatron_moe").mkdir()
+    _device_env_tree(tmp_path)
     script = ("unset TRITON_BACKENDS_IN_TREE; source benchmarks/device_env.sh && "
               "python3 -c 'import os; print(os.environ.get(\"TRITON_BACKENDS_IN_TREE\", \"unset\"))'")
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
