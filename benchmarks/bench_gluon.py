@@ -7,6 +7,7 @@ the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down
     python benchmarks/bench_gluon.py --only dact           # one kind (wgrad, wgrad-fp32, gemm, dact)
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
     python benchmarks/bench_gluon.py --only dact --dact-tiles 128x128x128x3,64x256x64x4  # tiles beside the default
+    python benchmarks/bench_gluon.py --only depth          # the down projection's time against its depth K
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
@@ -16,7 +17,10 @@ rest), against the Triton kernel's TMA reduce-add or load-add-store (its autotun
 the largest difference between the two kernels' results. Up projections: pre[s] = x[t(s)] @ w1[e]
 with swiglu times the router weight in the epilogue (the tokens t(s) in a random order). Down
 projections: y[s] = wact[s] @ w2[e], sorted rows; input gradients dx[s] = dpre[s] @ w1[e]ᵀ, sorted
-rows (w1's storage read transposed).
+rows (w1's storage read transposed). ``depth``: the plain kernel and CUTLASS at sonic-1536's down
+projection (262,144 sorted rows, 128 experts, N 1536) with K from 64 to 2048, beside a write of its
+output's bytes alone (``zero_``): a time that grows by the MMAs' time over the store's, not the
+larger of the two, says the tiles' stores and the next tiles' MMAs do not overlap.
 The activation's backward: g[s] = dy[t(s)] @ w2[e]ᵀ, then dpre = scale·g·act'(pre) written over pre
 and Σ g·act(pre) per row (the tokens t(s) random, each tile's pre read and dpre written: CUTLASS's
 column is the plain product over rows already gathered, without that epilogue). (A Gluon kernel of
@@ -45,6 +49,7 @@ WGRAD_FP32_SHAPES = {  # the trainer's models at micro-batch 64 (65,536 rows, to
 # ... and dmoe-small at an 80 GB GPU's micro-batch 16 (256 rows an expert)
 WGRAD_ADD_SHAPES = dict(WGRAD_FP32_SHAPES, **{
     "dmoe-small16 dw1": (16384, 64, 768, 3072, "a"), "dmoe-small16 dw2": (16384, 64, 3072, 768, "b")})
+DEPTH_SHAPE, DEPTHS = (262144, 128, 1536), (64, 128, 256, 512, 1024, 2048)  # 'depth': (rows S, E, N), the Ks
 GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation)
     # (the top-1 down projection, scattered, (32768, 64, 3072, 768) at dmoe-small, measured 0.489 ms
     # against the Triton kernel's 0.246 on 2026-12-02 and was left to it: supported() refuses a scatter)
@@ -97,8 +102,8 @@ def dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, do_bench):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="wgrad, wgrad-fp32, wgrad-add, gemm or dact, or a comma list (default: all "
-                                   "but wgrad-add)")
+    ap.add_argument("--only", help="wgrad, wgrad-fp32, wgrad-add, gemm, dact or depth, or a comma list (default: "
+                                   "all but wgrad-add and depth)")
     ap.add_argument("--dact-tiles", default="", help="the activation's backward with these tiles too (rows x "
                     "columns x step x ring slots, a comma list), alternated with the default in three rounds; "
                     "each one's largest difference from the default's results")
@@ -228,6 +233,25 @@ def main(argv=None) -> None:
         tiles = [t for t in tiles if N % t[1] == 0 and K % t[2] == 0 and gluon_dact.smem_bytes(t, act) <= 227 * 1024]
         if tiles:
             rows[-1]["tiles"] = dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, triton.testing.do_bench)
+    if "depth" in kinds:
+        S, E, N = DEPTH_SHAPE
+        offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
+        out = torch.empty(S, N, device=device, dtype=torch.bfloat16)
+        store_ms = triton.testing.do_bench(out.zero_)
+        print(f"depth: {S} rows, {E} experts, N {N}; writing the output's {S * N * 2 / 1e6:.0f} MB alone "
+              f"{store_ms:.3f} ms\n{'K':>6} {'gluon ms':>9} {'cutlass ms':>11} {'gluon TF/s':>11} {'cutlass TF/s':>13}")
+        for K in DEPTHS:
+            a = torch.randn(S, K, device=device, dtype=torch.bfloat16)
+            w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16)
+            assert gluon_gemm.supported(a, w, offsets), f"depth K {K}: the Gluon kernel does not take it"
+            ms = {"gluon": triton.testing.do_bench(lambda: gluon_gemm.grouped_gemm_gluon(a, w, offsets)),
+                  "cutlass": triton.testing.do_bench(lambda: torch._grouped_mm(a, w, offs=offsets[1:]))}
+            tflops = {k: 2 * S * K * N / v / 1e9 for k, v in ms.items()}
+            rows.append(dict(kind="depth", shape=f"K {K}", rows=S, experts=E, K=K, N=N, ms=ms, tflops=tflops,
+                             store_ms=store_ms))
+            print(f"{K:6d} {ms['gluon']:9.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} {tflops['cutlass']:13.0f}",
+                  flush=True)
+            del a, w
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,13 +4,13 @@ the backward) at the layer's router shapes, each launch's tile and warps swept, 
     python benchmarks/bench_route.py
     python benchmarks/bench_route.py --shapes sonic-1536
 
-Each candidate is set in the module (``FWD_TILE``, ``SUM_ELEMENTS`` / ``SUM_WARPS``, ``BWD_TILE``, as
-benchmarks/bench_router_gemm.py --sweep does with its tables) and timed through the entry points:
-``route_fwd_triton`` (the forward and its sum, one swept at a time, the other shipped) and
-``route_bwd_triton``. Prints per shape the shipped launch's time and the four fastest of the sweep
-(µs, triton.testing.do_bench medians), each marked with whether its outputs equal the shipped
-launch's bits. Shapes are (tokens, experts, top-k). docs/performance.md, "The router's small kernels
-swept".
+Each candidate is set in the module (``FWD_TILE``, ``SUM_ELEMENTS`` / ``SUM_WARPS``, ``BWD_TILE``
+or, at 65-128 experts, ``BWD_TILE_128``; as benchmarks/bench_router_gemm.py --sweep does with its
+tables) and timed through the entry points: ``route_fwd_triton`` (the forward and its sum, one
+swept at a time, the other shipped) and ``route_bwd_triton``. Prints per shape the shipped launch's
+time and the four fastest of the sweep (µs, triton.testing.do_bench medians), each marked with
+whether its outputs equal the shipped launch's bits. Shapes are (tokens, experts, top-k).
+docs/performance.md, "The router's small kernels swept".
 """
 from __future__ import annotations
 
@@ -72,14 +72,16 @@ def main():
         def set_sum(c):
             R.SUM_ELEMENTS, R.SUM_WARPS = c
 
+        bwd_attr = "BWD_TILE_128" if 64 < E <= 128 else "BWD_TILE"  # the one route_bwd_triton takes
+
         def set_bwd(c):
-            R.BWD_TILE = c
+            setattr(R, bwd_attr, c)
 
         sweep(f"{shape} forward (+ sum)", forward, set_fwd, TILES, R.FWD_TILE)
         sweep(f"{shape} sum (+ forward)", forward, set_sum, SUMS, (R.SUM_ELEMENTS, R.SUM_WARPS))
         ids_TK, _, counts_E, _, _ = forward()
         sweep(f"{shape} backward", lambda: [R.route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz,
-                                                               **LOSSES)], set_bwd, TILES, R.BWD_TILE)
+                                                               **LOSSES)], set_bwd, TILES, getattr(R, bwd_attr))
 
 
 if __name__ == "__main__":

@@ -39,13 +39,20 @@ def _blocks(E: int, K: int, elements: int = 4096) -> tuple[int, int, int]:
 
 
 # The three kernels' launches: (elements of a [BLOCK_T, BLOCK_E] tile, warps) of the forward and the
-# backward, elements a step and warps of the one-program sum. benchmarks/bench_route.py sweeps them;
-# on an H100 (2026-12-07; docs/performance.md, "The router's small kernels swept") the backward ran
-# 1.8x faster at 128 experts / top-8 in 2048-element tiles with 2 warps and the sum 2.8x at 131072
-# tokens with 65536 elements a step and 16 warps: not taken until the GPU tests have run with them.
+# backward (BWD_TILE_128 at 65-128 experts: BLOCK_E 128, the width swept), elements a step and warps of the
+# one-program sum. benchmarks/bench_route.py sweeps them (docs/performance.md, "The router's small
+# kernels swept"): on an H100 the backward ran 1.8x faster at 128 experts / top-8 in 2048-element
+# tiles with 2 warps (level at 64 experts) and the sum 2.8x at 131072 tokens with 65536 elements a
+# step and 16 warps.
 FWD_TILE = (4096, 4)
 BWD_TILE = (4096, 4)
-SUM_ELEMENTS, SUM_WARPS = 16384, 8
+BWD_TILE_128 = (2048, 2)
+SUM_ELEMENTS, SUM_WARPS = 65536, 16
+
+
+def bwd_tile(E: int) -> tuple[int, int]:
+    """The backward's (elements, warps) at E experts."""
+    return BWD_TILE_128 if 64 < E <= 128 else BWD_TILE
 
 
 @triton.jit
@@ -244,7 +251,7 @@ def route_bwd_triton(logits_TE, ids_TK, counts_E, dweights_TK, daux, dz, *, soft
     K = ids_TK.shape[1]
     if logits_TE.stride(1) != 1:
         logits_TE = logits_TE.contiguous()
-    elements, warps = BWD_TILE
+    elements, warps = bwd_tile(E)
     BLOCK_T, BLOCK_E, _ = _blocks(E, K, elements)
     dlogits_TE = torch.empty(T, E, device=logits_TE.device, dtype=torch.float32)
     if T == 0:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _util import needs_triton_kernels, triton_kernels_run
-from megatron_moe.kernels.router import BWD_TILE, _blocks, route_reference
+from megatron_moe.kernels.router import _blocks, bwd_tile, route_reference
 from megatron_moe.ops.route import route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,7 +123,7 @@ def test_tile_stays_within_4096_elements():
     for E in (1, 2, 3, 8, 64, 128, 130, 512, 4096):
         bt, be, bk = _blocks(E, 1)
         assert be >= E and bt * be <= max(4096, be) and bt >= 1 and bk >= 2
-        bt, be, _ = _blocks(E, 1, BWD_TILE[0])
+        bt, be, _ = _blocks(E, 1, bwd_tile(E)[0])
         assert be >= E and bt * be <= max(4096, be) and bt >= 1
 
 
