@@ -179,6 +179,8 @@ CASES = {  # K, N, rows per expert
     "rows not a multiple of 128, short and long experts": (768, 768, [130, 1, 63, 64, 65, 677]),
     "every tile full": (256, 512, [128, 128, 256]),
     "no expert with rows": (64, 256, [0, 0, 0]),
+    "K 512, uneven rows (the ring wraps inside a tile)": (512, 512, [130, 1, 63, 300, 0, 129]),
+    "K 320, N not a multiple of 128": (320, 272, [200, 57]),
 }
 VARIANTS = {  # grouped_gemm's options: gather, activation, act_scale, w as the view of a contiguous [E, N, K]
     "plain": (False, None, False, False),
@@ -200,15 +202,22 @@ def _close(got, want, what):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pingpong", ["early", "late", "0"])
 @pytest.mark.parametrize("programs", ["one per SM", "three"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypatch):
+def test_gluon_gemm_matches_float64_reference(case, variant, programs, pingpong, monkeypatch):
     """With three programs each walks several tiles of experts with different row counts (at
-    one per SM these shapes give every program one tile at most)."""
+    one per SM these shapes give every program one tile at most). The plain products at K <= 512
+    run the ping-pong kernel (each MEGATRON_MOE_GLUON_PINGPONG; "0": the cooperative kernel)."""
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
+    monkeypatch.setenv("MEGATRON_MOE_GLUON_PINGPONG", pingpong)
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
+    if pingpong != "early" and (VARIANTS[variant][1] is not None or CASES[case][0] > GG.PINGPONG_MAX_K):
+        pytest.skip("the switch changes nothing here: not a plain product of K <= PINGPONG_MAX_K")
+    if VARIANTS[variant][1] == "swiglu" and CASES[case][1] % 256:
+        pytest.skip("the swiglu kernel takes N a multiple of 256 (test_supported_refuses)")
     if programs == "three":
         monkeypatch.setattr(GG, "num_sms", lambda device: 3)
     K, N, counts = CASES[case]
