@@ -8,7 +8,6 @@ the weight gradient (kernels/gluon_wgrad.py), the row-grouped GEMM's up and down
     python benchmarks/bench_gluon.py --out gluon.json      # and the rows as JSON
     python benchmarks/bench_gluon.py --only dact --dact-tiles 128x128x128x3,64x256x64x4  # tiles beside the default
     python benchmarks/bench_gluon.py --only depth          # the down projection's time against its depth K
-    python benchmarks/bench_gluon.py --only pingpong       # plain products: ping-pong (turn early, late) or not
 
 Weight gradients: dw[e] = a[gather(s)]ᵀ b[s] over expert e's rows, bf16 in and out, each expert an
 equal share of the rows (tokens x top-k); dw1 = x[t]ᵀ dpre (gather on a), dw2 = wactᵀ dy[t]
@@ -21,10 +20,7 @@ projections: y[s] = wact[s] @ w2[e], sorted rows; input gradients dx[s] = dpre[s
 rows (w1's storage read transposed). ``depth``: the plain kernel and CUTLASS at sonic-1536's down
 projection (262,144 sorted rows, 128 experts, N 1536) with K from 64 to 2048, beside a write of its
 output's bytes alone (``zero_``): a time that grows by the MMAs' time over the store's, not the
-larger of the two, says the tiles' stores and the next tiles' MMAs do not overlap. ``pingpong``: the
-plain products of sorted rows in the cooperative kernel and in the ping-pong kernel (each
-MEGATRON_MOE_GLUON_PINGPONG: "0", "late", "early"), at every K here (gluon_gemm.PINGPONG_MAX_K lifted),
-alternated over three rounds; whether each gives the cooperative kernel's bits.
+larger of the two, says the tiles' stores and the next tiles' MMAs do not overlap.
 The activation's backward: g[s] = dy[t(s)] @ w2[e]ᵀ, then dpre = scale·g·act'(pre) written over pre
 and Σ g·act(pre) per row (the tokens t(s) random, each tile's pre read and dpre written: CUTLASS's
 column is the plain product over rows already gathered, without that epilogue). (A Gluon kernel of
@@ -54,15 +50,6 @@ WGRAD_FP32_SHAPES = {  # the trainer's models at micro-batch 64 (65,536 rows, to
 WGRAD_ADD_SHAPES = dict(WGRAD_FP32_SHAPES, **{
     "dmoe-small16 dw1": (16384, 64, 768, 3072, "a"), "dmoe-small16 dw2": (16384, 64, 3072, 768, "b")})
 DEPTH_SHAPE, DEPTHS = (262144, 128, 1536), (64, 128, 256, 512, 1024, 2048)  # 'depth': (rows S, E, N), the Ks
-PINGPONG_SHAPES = {  # 'pingpong': name: (rows S, experts E, K, N, w read transposed, rows an expert uneven)
-    "sonic-1536 down K 64": (262144, 128, 64, 1536, False, False),
-    "sonic-1536 down K 128": (262144, 128, 128, 1536, False, False),
-    "sonic-1536 down": (262144, 128, 256, 1536, False, False),
-    "sonic-1536 down, uneven": (262144, 128, 256, 1536, False, True),
-    "sonic-1536 dx": (262144, 128, 512, 1536, True, False),
-    "qwen3 down": (131072, 128, 768, 2048, False, False), "olmoe down": (131072, 64, 1024, 2048, False, False),
-    "fine-64e dx": (65536, 64, 1024, 2048, True, False),
-}
 GEMM_SHAPES = {  # name: (rows S, experts E, K, N, tokens gathered from (0: none), activation)
     # (the top-1 down projection, scattered, (32768, 64, 3072, 768) at dmoe-small, measured 0.489 ms
     # against the Triton kernel's 0.246 on 2026-12-02 and was left to it: supported() refuses a scatter)
@@ -115,8 +102,8 @@ def dact_tiles(gluon_dact, dy, w, offsets, pre, act, kw, tiles, do_bench):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--only", help="wgrad, wgrad-fp32, wgrad-add, gemm, dact, depth or pingpong, or a comma list "
-                                   "(default: all but wgrad-add, depth and pingpong)")
+    ap.add_argument("--only", help="wgrad, wgrad-fp32, wgrad-add, gemm, dact or depth, or a comma list (default: "
+                                   "all but wgrad-add and depth)")
     ap.add_argument("--dact-tiles", default="", help="the activation's backward with these tiles too (rows x "
                     "columns x step x ring slots, a comma list), alternated with the default in three rounds; "
                     "each one's largest difference from the default's results")
@@ -265,41 +252,6 @@ def main(argv=None) -> None:
             print(f"{K:6d} {ms['gluon']:9.3f} {ms['cutlass']:11.3f} {tflops['gluon']:11.0f} {tflops['cutlass']:13.0f}",
                   flush=True)
             del a, w
-    if "pingpong" in kinds:
-        modes = ("0", "late", "early")
-        print(f"{'plain product':<24} {'cooperative ms':>14} {'late ms':>8} {'early ms':>9} {'coop / early':>12}  bits")
-        saved_max_k = gluon_gemm.PINGPONG_MAX_K
-        gluon_gemm.PINGPONG_MAX_K = 1 << 30
-        for name, (S, E, K, N, transposed, uneven) in PINGPONG_SHAPES.items():
-            gen = torch.Generator(device=device).manual_seed(0)
-            if uneven:  # routed-like: each row's expert drawn at random, so most experts end in a partial tile
-                counts = torch.bincount(torch.randint(0, E, (S,), device=device, generator=gen), minlength=E)
-                offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-            else:
-                offsets = torch.arange(0, S + 1, S // E, device=device, dtype=torch.int32)
-            a = torch.randn(S, K, device=device, dtype=torch.bfloat16)
-            if transposed:
-                w = torch.randn(E, N, K, device=device, dtype=torch.bfloat16).transpose(1, 2)
-            else:
-                w = torch.randn(E, K, N, device=device, dtype=torch.bfloat16)
-            assert gluon_gemm.supported(a, w, offsets), f"{name}: the Gluon kernel does not take it"
-            outs, times = {}, {m: [] for m in modes}
-            for mode in modes:
-                os.environ["MEGATRON_MOE_GLUON_PINGPONG"] = mode
-                outs[mode] = gluon_gemm.grouped_gemm_gluon(a, w, offsets)
-            for _ in range(3):
-                for mode in modes:
-                    os.environ["MEGATRON_MOE_GLUON_PINGPONG"] = mode
-                    times[mode].append(triton.testing.do_bench(lambda: gluon_gemm.grouped_gemm_gluon(a, w, offsets)))
-            os.environ.pop("MEGATRON_MOE_GLUON_PINGPONG")
-            ms = {m: sorted(v)[1] for m, v in times.items()}
-            same = {m: torch.equal(outs[m], outs["0"]) for m in modes[1:]}
-            rows.append(dict(kind="pingpong", shape=name, rows=S, experts=E, K=K, N=N, transposed=transposed,
-                             uneven=uneven, ms=ms, rounds=times, same_bits=same))
-            print(f"{name:<24} {ms['0']:14.3f} {ms['late']:8.3f} {ms['early']:9.3f} {ms['0'] / ms['early']:11.2f}x  "
-                  + ", ".join(f"{m} {'same' if v else 'DIFFER'}" for m, v in same.items()), flush=True)
-            del a, w, outs
-        gluon_gemm.PINGPONG_MAX_K = saved_max_k
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

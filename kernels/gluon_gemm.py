@@ -62,11 +62,6 @@ from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
-# The plain product of sorted rows with K up to PINGPONG_MAX_K: the ping-pong kernel, two consumers'
-# [128, PINGPONG_BLOCK_N] tiles taking turns at a ring of PINGPONG_NUM_BUF slots (32 KB each, beside
-# two 32 KB store buffers); MEGATRON_MOE_GLUON_PINGPONG (kernels/switches.py) says when a consumer
-# hands the turn over. (Trial, docs/performance.md, "A TMA-fed ping-pong for the short plain products".)
-PINGPONG_MAX_K, PINGPONG_BLOCK_N, PINGPONG_NUM_BUF, PINGPONG_CONSUMER_REGS = 512, 128, 5, 232
 
 # ----------------------------------------------------------------------------------------------
 # The tile table (Triton: it runs under the interpreter too)
@@ -242,88 +237,6 @@ if gluon is not None:
             (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
                          K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
         ], [1], [40])
-
-    # ---- ping-pong plain: sorted a by TMA, two consumers' 128 x 128 tiles taking turns -------
-
-    @gluon.jit
-    def _pingpong_consumer(C: gl.constexpr, out_ptr, out_desc, out_smem, turn_bars, tile_row_ptr, tile_end_ptr,
-                           num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, W_T: gl.constexpr,
-                           EARLY_TURN: gl.constexpr):
-        """Consumer C (one warpgroup) takes this program's tiles i with i % 2 == C: it multiplies only
-        once the other has issued (EARLY_TURN) or finished (else) its MMAs of tile i - 1, so the ring's
-        slots are waited on in step order; then it stores its tile through its own buffer while the
-        other multiplies."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
-        buf = out_smem.index(C)
-        for i in range(C, my_tiles, 2):
-            m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
-            row0 = gl.load(tile_row_ptr + m)
-            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
-            count = i * k_steps  # the ring's steps are taken in tile order
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-            mbarrier.wait(turn_bars.index(C), ((i // 2) & 1) ^ (1 - C))  # consumer 0's first tile: at once
-            for kk in range(k_steps):
-                slot = count % NUM_BUF
-                mbarrier.wait(ready_bars.index(slot), (count // NUM_BUF) & 1)
-                w_tile = w_bufs.index(slot)
-                if W_T:  # the [BLOCK_N, BLOCK_K] block read as [BLOCK_K, BLOCK_N]
-                    w_tile = w_tile.permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(slot), w_tile, acc, use_acc=kk > 0, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])
-                barrier()  # this warpgroup's warps, before the one arrival
-                mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
-                count += 1
-            if EARLY_TURN:
-                mbarrier.arrive(turn_bars.index(1 - C))  # every MMA of the tile issued: the other's turn
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            barrier()
-            mbarrier.arrive(empty_bars.index((count + NUM_BUF - 1) % NUM_BUF))
-            if not EARLY_TURN:
-                mbarrier.arrive(turn_bars.index(1 - C))
-            vals = acc.to(gl.bfloat16)
-            tma.store_wait(0)  # the buffer's last TMA store has read it
-            barrier()  # and every thread its last read-back
-            buf.store(vals)
-            if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
-                fence_async_shared()
-                tma_store(out_desc, [row0, n0], buf)
-            else:  # the expert's last tile: its rows only, 16 bytes a thread
-                barrier()
-                store_rows(out_ptr, buf.load(store_layout), row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N,
-                           store_layout)
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _grouped_gemm_pingpong_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
-                                      num_m_ptr, K, N, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                      BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, W_T: gl.constexpr,
-                                      EARLY_TURN: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
-        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-        ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; TMA's bytes complete it
-            mbarrier.init(empty_bars.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(turn_bars.index(i), count=1)
-        gl.warp_specialize([
-            (_pingpong_consumer, (gl.constexpr(0), out_ptr, out_desc, out_smem, turn_bars, tile_row_ptr,
-                                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, W_T, EARLY_TURN)),
-            (_pingpong_consumer, (gl.constexpr(1), out_ptr, out_desc, out_smem, turn_bars, tile_row_ptr,
-                                  tile_end_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, W_T, EARLY_TURN)),
-            (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
-                         K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
-        ], [4, 1], [CONSUMER_REGS, 40])
 
     # ---- swiglu: gathered a by cp.async, the gate's and the up projection's accumulators -----
 
@@ -575,28 +488,19 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
         return _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S)
     S, K = a_MK.shape
     E, _, N = w_EKN.shape
-    mode = switches.gluon_pingpong()
-    pingpong = K <= PINGPONG_MAX_K and mode != "0"
-    block_n = PINGPONG_BLOCK_N if pingpong else BLOCK_N
     out = torch.empty(S, N, device=a_MK.device, dtype=torch.bfloat16)
     tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
     a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], shared_layout(BLOCK_M, BLOCK_K))
     w_t = transposed_view(w_EKN)
-    if w_t:  # its [E, N, K] storage, blocks of [block_n, BLOCK_K]
-        w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [block_n, BLOCK_K], shared_layout(block_n, BLOCK_K))
+    if w_t:  # its [E, N, K] storage, blocks of [BLOCK_N, BLOCK_K]
+        w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], shared_layout(BLOCK_N, BLOCK_K))
     else:
-        w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, block_n], shared_layout(BLOCK_K, block_n))
-    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, block_n], shared_layout(BLOCK_M, block_n))
-    args = (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0))
-    if pingpong:
-        launch(_grouped_gemm_pingpong_kernel, (num_sms(a_MK.device),), args,
-               dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, NUM_BUF=PINGPONG_NUM_BUF, W_T=w_t,
-                    EARLY_TURN=mode == "early", CONSUMER_REGS=PINGPONG_CONSUMER_REGS, num_warps=4,
-                    maxnreg=maxnreg(4, 5)))
-    else:
-        launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),), args,
-               dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, W_T=w_t,
-                    num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
+        w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], shared_layout(BLOCK_K, BLOCK_N))
+    out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
+    launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),),
+           (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0)),
+           dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, W_T=w_t,
+                num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
     return out
 
 

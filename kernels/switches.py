@@ -44,10 +44,6 @@
 |                         | kernels/gluon_gemm.py's                   |                                               |
 |                         | kernels on sm_90 where they apply         |                                               |
 |                         | (``supported``)                           |                                               |
-| MEGATRON_MOE_GLUON_PINGPONG | a plain product of sorted rows with   | 0: the cooperative kernel at every K; late:   |
-|                         | K <= 512 runs gluon_gemm.py's ping-pong   | the ping-pong kernel with the turn handed     |
-|                         | kernel, the turn handed over once a tile's| over once a tile's MMAs are done              |
-|                         | MMAs are issued                           |                                               |
 | MEGATRON_MOE_GLUON_DACT | the activation's backward GEMM (bf16,    | 0: the Triton kernel (its dgelu / dswiglu     |
 |                         | sm_90) runs kernels/gluon_dact.py's       | epilogue)                                     |
 |                         | ping-pong kernel where it applies         |                                               |
@@ -70,7 +66,7 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``, ``gluon_pingpong``,
+each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``,
 ``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``,
 ``fast_launch``) or at each layer step (``router_dx_add``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
@@ -213,21 +209,6 @@ def wgrad_add() -> str:
 def gluon_gemm() -> bool:
     """MEGATRON_MOE_GLUON_GEMM != "0": a row-grouped GEMM kernels/gluon_gemm.py takes runs there."""
     return getenv("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
-
-
-PINGPONG_MODES = ("early", "late", "0")
-
-
-def gluon_pingpong() -> str:
-    """MEGATRON_MOE_GLUON_PINGPONG: "early" (default: kernels/gluon_gemm.py's ping-pong kernel takes
-    the plain products it applies to, each consumer handing the turn over once its MMAs are
-    issued), "late" (once they are done), "0" (the cooperative kernel)."""
-    value = getenv("MEGATRON_MOE_GLUON_PINGPONG", "early")
-    if value == "1":
-        return "early"
-    if value not in PINGPONG_MODES:
-        raise ValueError(f"MEGATRON_MOE_GLUON_PINGPONG={value!r}: expected one of {', '.join(PINGPONG_MODES)} or 1")
-    return value
 
 
 def gluon_dact() -> bool:

@@ -174,7 +174,7 @@ def scenarios():
     yield ("Gluon weight gradient (gather on a, on b; bf16 new, fp32 written and added, each MEGATRON_MOE_WGRAD_ADD)",
            wgrad_gluon)
 
-    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ; ping-pong and cooperative) and swiglu
+    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ) and swiglu (gathered or sorted rows)
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)
         offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
         token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
@@ -182,9 +182,6 @@ def scenarios():
         grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight)
         grouped_gemm(a, w, offsets, activation="swiglu")
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
-        a = torch.randn(256, 1024, dtype=bf16)  # K past gluon_gemm.PINGPONG_MAX_K: the cooperative kernel
-        grouped_gemm(a, torch.randn(3, 1024, 256, dtype=bf16), offsets)
-        grouped_gemm(a, torch.randn(3, 256, 1024, dtype=bf16).transpose(1, 2), offsets)
     yield "Gluon row-grouped GEMM", gemm_gluon
 
     def dact_gluon():  # kernels/gluon_dact.py (on by default, as the Gluon GEMMs): swiglu and gelu, dy gathered, w2ᵀ

@@ -202,20 +202,15 @@ def _close(got, want, what):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pingpong", ["early", "late", "0"])
 @pytest.mark.parametrize("programs", ["one per SM", "three"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_gemm_matches_float64_reference(case, variant, programs, pingpong, monkeypatch):
+def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypatch):
     """With three programs each walks several tiles of experts with different row counts (at
-    one per SM these shapes give every program one tile at most). The plain products at K <= 512
-    run the ping-pong kernel (each MEGATRON_MOE_GLUON_PINGPONG; "0": the cooperative kernel)."""
+    one per SM these shapes give every program one tile at most)."""
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_PINGPONG", pingpong)
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
-    if pingpong != "early" and (VARIANTS[variant][1] is not None or CASES[case][0] > GG.PINGPONG_MAX_K):
-        pytest.skip("the switch changes nothing here: not a plain product of K <= PINGPONG_MAX_K")
     if VARIANTS[variant][1] == "swiglu" and CASES[case][1] % 256:
         pytest.skip("the swiglu kernel takes N a multiple of 256 (test_supported_refuses)")
     if programs == "three":

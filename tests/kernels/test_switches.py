@@ -60,14 +60,3 @@ def test_wgrad_add_takes_its_ways_and_names_the_fix_for_others(monkeypatch):
     monkeypatch.setenv("MEGATRON_MOE_WGRAD_ADD", "prefetch3")
     with pytest.raises(ValueError, match="MEGATRON_MOE_WGRAD_ADD='prefetch3': expected one of prefetch4, atomic"):
         switches.wgrad_add()
-
-
-def test_gluon_pingpong_takes_its_modes_and_names_the_fix_for_others(monkeypatch):
-    monkeypatch.delenv("MEGATRON_MOE_GLUON_PINGPONG", raising=False)
-    assert switches.gluon_pingpong() == "early"
-    for value, mode in (("early", "early"), ("1", "early"), ("late", "late"), ("0", "0")):
-        monkeypatch.setenv("MEGATRON_MOE_GLUON_PINGPONG", value)
-        assert switches.gluon_pingpong() == mode
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_PINGPONG", "yes")
-    with pytest.raises(ValueError, match="MEGATRON_MOE_GLUON_PINGPONG='yes': expected one of early, late, 0 or 1"):
-        switches.gluon_pingpong()
