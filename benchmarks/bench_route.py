@@ -72,7 +72,7 @@ def main():
         def set_sum(c):
             R.SUM_ELEMENTS, R.SUM_WARPS = c
 
-        bwd_attr = "BWD_TILE_128" if 64 < E <= 128 else "BWD_TILE"  # the one route_bwd_triton takes
+        bwd_attr = "BWD_TILE_128" if R.bwd_tile(E) is R.BWD_TILE_128 else "BWD_TILE"  # the one route_bwd_triton takes
 
         def set_bwd(c):
             setattr(R, bwd_attr, c)
