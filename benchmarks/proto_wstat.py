@@ -252,7 +252,7 @@ def run(do_bench):
         S = sum(counts)
         a = torch.randn(S + 9, K, generator=gen).to(torch.bfloat16).to(dev)
         w = (torch.randn(len(counts), K, N, generator=gen) / K ** 0.5).to(torch.bfloat16).to(dev)
-        for programs in (132, 3):  # one per SM; three, each walking many blocks
+        for programs in (132, 5, 3):  # one per SM; five and three, each program's range crossing blocks
             got = grouped_gemm_wstat(a, w, offsets, num_sms=programs)[:S].double()
             bounds = offsets.tolist()
             want = torch.cat([a[s:t].double() @ w[i].double() for i, (s, t) in enumerate(zip(bounds, bounds[1:]))])
