@@ -447,6 +447,16 @@ SWIGLU_SHAPES = {  # rows, experts, K (hidden), N (2F), tokens: the layer's up p
 }
 
 
+def alternated(do_bench, fns, rounds=3):
+    """Each of ``fns`` (name: callable) timed once a round, in order, over ``rounds`` rounds: each
+    one's median of its rounds' ``do_bench`` times (ms)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(do_bench(fn))
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+
+
 def grouped(do_bench):
     """The pair kernels against the single-CTA Gluon kernels (one CTA a 128-row tile) and the float64
     reference: first a small shape, then the layer's shapes, each timed in three alternated rounds."""
@@ -466,11 +476,8 @@ def grouped(do_bench):
         a = torch.randn(S, K, device=dev, dtype=torch.bfloat16)
         w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
         same = torch.equal(grouped_gemm_pair(a, w, offsets), grouped_gemm_gluon(a, w, offsets))
-        ms = {"pair": [], "plain": []}
-        for _ in range(3):
-            ms["pair"].append(do_bench(lambda: grouped_gemm_pair(a, w, offsets)))
-            ms["plain"].append(do_bench(lambda: grouped_gemm_gluon(a, w, offsets)))
-        med = {k: sorted(v)[1] for k, v in ms.items()}
+        med = alternated(do_bench, {"pair": lambda: grouped_gemm_pair(a, w, offsets),
+                                    "plain": lambda: grouped_gemm_gluon(a, w, offsets)})
         tf = 2 * S * K * N / 1e9
         print(f"{name:<16} pair {med['pair']:.3f} ms ({tf / med['pair']:.0f} TFLOP/s)  plain {med['plain']:.3f} ms "
               f"({tf / med['plain']:.0f})  {med['plain'] / med['pair']:.2f}x  {'same bits' if same else 'BITS DIFFER'}",
@@ -484,12 +491,9 @@ def grouped(do_bench):
         pre1, act1 = grouped_gemm_gluon(x, w, offsets, gather_S=gather, activation="swiglu")
         same = torch.equal(pre, pre1)
         act_diff = (act.float() - act1.float()).abs().max().item()
-        ms = {"pair": [], "plain": []}
-        for _ in range(3):
-            ms["pair"].append(do_bench(lambda: swiglu_pair(x, w, offsets, gather)))
-            ms["plain"].append(do_bench(lambda: grouped_gemm_gluon(x, w, offsets, gather_S=gather,
-                                                                   activation="swiglu")))
-        med = {k: sorted(v)[1] for k, v in ms.items()}
+        med = alternated(do_bench, {
+            "pair": lambda: swiglu_pair(x, w, offsets, gather),
+            "plain": lambda: grouped_gemm_gluon(x, w, offsets, gather_S=gather, activation="swiglu")})
         tf = 2 * S * K * N / 1e9
         print(f"{name:<16} pair {med['pair']:.3f} ms ({tf / med['pair']:.0f} TFLOP/s)  single-CTA "
               f"{med['plain']:.3f} ms ({tf / med['plain']:.0f})  {med['plain'] / med['pair']:.2f}x  pre "

@@ -202,8 +202,8 @@ def ptxas_report(ptx):
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        err = subprocess.run([get_ptxas(90).path if callable(get_ptxas) else get_ptxas().path, "--gpu-name",
-                              "sm_90a", "-v", str(src), "-o", str(src) + ".o"], capture_output=True, text=True).stderr
+        err = subprocess.run([get_ptxas(90).path, "--gpu-name", "sm_90a", "-v", str(src), "-o", str(src) + ".o"],
+                             capture_output=True, text=True).stderr
     regs = re.findall(r"Used (\d+) registers", err)
     spilled = max([int(n) for n in re.findall(r"(\d+) bytes spill stores", err)] or [0])
     serialised = any(code in err for code in ("C7509", "C7510", "C7515", "C7517"))
@@ -244,6 +244,7 @@ SHAPES = {"sonic-1536 down K 64": 64, "sonic-1536 down K 128": 128, "sonic-1536 
 
 def run(do_bench):
     from megatron_moe.kernels.gluon_gemm import grouped_gemm_gluon
+    from proto_multicast import alternated  # a sibling script: benchmarks/ is first on the path
 
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -272,11 +273,8 @@ def run(do_bench):
             a = torch.randn(S, K, device=dev, dtype=torch.bfloat16)
             w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
             same = torch.equal(grouped_gemm_wstat(a, w, offsets), grouped_gemm_gluon(a, w, offsets))
-            ms = {"wstat": [], "cooperative": []}
-            for _ in range(3):
-                ms["wstat"].append(do_bench(lambda: grouped_gemm_wstat(a, w, offsets)))
-                ms["cooperative"].append(do_bench(lambda: grouped_gemm_gluon(a, w, offsets)))
-            med = {k: sorted(v)[1] for k, v in ms.items()}
+            med = alternated(do_bench, {"wstat": lambda: grouped_gemm_wstat(a, w, offsets),
+                                        "cooperative": lambda: grouped_gemm_gluon(a, w, offsets)})
             print(f"{name:<22} {rows:<7} w kept {med['wstat']:.3f} ms  cooperative {med['cooperative']:.3f} ms  "
                   f"{med['cooperative'] / med['wstat']:.2f}x  {'same bits' if same else 'BITS DIFFER'}", flush=True)
 
