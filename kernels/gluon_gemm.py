@@ -61,8 +61,6 @@ from ._gluon import (TensorDescriptor, async_copy, async_load, available, barrie
 from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
-# the plain kernel with w kept (K <= WKEPT_MAX_K): 128-column tiles, a's ring, the consumers' registers
-WKEPT_BLOCK_N, WKEPT_NUM_BUF, WKEPT_MAX_K, WKEPT_CONSUMER_REGS, WKEPT_PRODUCER_REGS = 128, 6, 256, 232, 40
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
 
 # ----------------------------------------------------------------------------------------------
@@ -239,139 +237,6 @@ if gluon is not None:
             (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
                          K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
         ], [1], [40])
-
-    # ---- plain, w kept (K <= 256): w's [K, 128] block in shared memory across row tiles ---------
-
-    @gluon.jit
-    def _wkept_range(num_m_ptr, N, BLOCK_N: gl.constexpr):
-        """This program's tiles: the contiguous range [start, start + count) of num_m x tiles_n."""
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        num_m = gl.load(num_m_ptr)
-        total = num_m * gl.cdiv(N, BLOCK_N)
-        per = gl.cdiv(total, nprog)
-        start = pid * per
-        return gl.maximum(num_m, 1), start, gl.maximum(gl.minimum(total - start, per), 0)
-
-    @gluon.jit
-    def _wkept_tile(t, num_m, tile_e_ptr, BLOCK_N: gl.constexpr):
-        """Tile t (column block first, row tile fastest): its row tile, first column and expert."""
-        m = t % num_m
-        return m, (t // num_m) * BLOCK_N, gl.load(tile_e_ptr + m)
-
-    @gluon.jit
-    def _wkept_producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_kept, a_ready, a_empty,
-                        w_ready, w_empty, K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
-                        K_STEPS: gl.constexpr):
-        """Where a tile's (expert, column block) changes: waits until the block before is released,
-        then TMA-loads w's [K, BLOCK_N] block; per tile, a's [128, BLOCK_K] blocks into the ring."""
-        num_m, start, count = _wkept_range(num_m_ptr, N, BLOCK_N)
-        prev_e = -1
-        prev_n = -1
-        blocks = 0  # w blocks loaded so far
-        step = 0
-        for j in range(count):
-            m, n0, e = _wkept_tile(start + j, num_m, tile_e_ptr, BLOCK_N)
-            if (e != prev_e) | (n0 != prev_n):
-                # the block before released by the consumer of its last tile (the first block: at once)
-                mbarrier.wait(w_empty, (blocks - 1) & 1, pred=blocks > 0)
-                mbarrier.expect(w_ready, K_STEPS * w_desc.block_type.nbytes)
-                for kk in gl.static_range(K_STEPS):
-                    tma_load(w_desc, [e * K + kk * BLOCK_K, n0], w_ready, w_kept.index(kk))
-                blocks += 1
-                prev_e = e
-                prev_n = n0
-            row0 = gl.load(tile_row_ptr + m)
-            for kk in gl.static_range(K_STEPS):
-                slot = step % NUM_BUF
-                mbarrier.wait(a_empty.index(slot), ((step // NUM_BUF) & 1) ^ 1)  # the first pass finds it free
-                mbarrier.expect(a_ready.index(slot), a_desc.block_type.nbytes)
-                tma_load(a_desc, [row0, kk * BLOCK_K], a_ready.index(slot), a_bufs.index(slot))
-                step += 1
-
-    @gluon.jit
-    def _wkept_consumer(C: gl.constexpr, out_ptr, out_desc, out_smem, turn_bars, tile_e_ptr, tile_row_ptr,
-                        tile_end_ptr, num_m_ptr, a_bufs, w_kept, a_ready, a_empty, w_ready, w_empty, N, stride_om,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, K_STEPS: gl.constexpr):
-        """Consumer C's tiles, the range's j with j % 2 == C: multiplied once the other's MMAs of tile
-        j - 1 are done (turn_bars), stored through its own buffer under the other's MMAs."""
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        num_m, start, count = _wkept_range(num_m_ptr, N, BLOCK_N)
-        buf = out_smem.index(C)
-        m, n0, e = _wkept_tile(start, num_m, tile_e_ptr, BLOCK_N)
-        block = 0  # the index of tile j's w block in this program's sequence
-        for j in range(count):
-            next_m, next_n, next_e = _wkept_tile(start + j + 1, num_m, tile_e_ptr, BLOCK_N)  # past the range: unused
-            last_of_block = (j + 1 == count) | (next_e != e) | (next_n != n0)
-            if j % 2 == C:
-                row0 = gl.load(tile_row_ptr + m)
-                row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
-                step = j * K_STEPS  # the ring's steps are taken in tile order
-                mbarrier.wait(turn_bars.index(C), ((j // 2) & 1) ^ (1 - C))  # consumer 0's first tile: at once
-                mbarrier.wait(w_ready, block & 1)  # this tile's block loaded (it stays until its last tile is done)
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-                for kk in gl.static_range(K_STEPS):
-                    slot = step % NUM_BUF
-                    mbarrier.wait(a_ready.index(slot), (step // NUM_BUF) & 1)
-                    acc = warpgroup_mma(a_bufs.index(slot), w_kept.index(kk), acc, use_acc=kk > 0, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=[acc])
-                    barrier()  # this warpgroup's warps, before the one arrival
-                    mbarrier.arrive(a_empty.index((step + NUM_BUF - 1) % NUM_BUF), pred=kk > 0)
-                    step += 1
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                barrier()
-                mbarrier.arrive(a_empty.index((step + NUM_BUF - 1) % NUM_BUF))
-                mbarrier.arrive(w_empty, pred=last_of_block)  # every tile of the block done: the producer may reload
-                mbarrier.arrive(turn_bars.index(1 - C))  # the other consumer's turn to multiply
-                vals = acc.to(gl.bfloat16)
-                tma.store_wait(0)  # the buffer's last TMA store has read it
-                barrier()  # and every thread its last read-back
-                buf.store(vals)
-                if row0 + BLOCK_M <= row_end:  # every row this expert's: TMA, left running
-                    fence_async_shared()
-                    tma_store(out_desc, [row0, n0], buf)
-                else:  # the expert's last tile: its rows only, 16 bytes a thread
-                    barrier()
-                    store_rows(out_ptr, buf.load(store_layout), row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N,
-                               store_layout)
-            block += last_of_block.to(gl.int32)
-            m = next_m
-            n0 = next_n
-            e = next_e
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _grouped_gemm_wkept_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
-                                   num_m_ptr, K, N, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, K_STEPS: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
-        w_kept = gl.allocate_shared_memory(w_desc.dtype, [K_STEPS] + w_desc.block_type.shape, w_desc.layout)
-        out_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        a_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        w_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(a_ready.index(i), count=1)  # the producer's expect; TMA's bytes complete it
-            mbarrier.init(a_empty.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(turn_bars.index(i), count=1)
-        mbarrier.init(w_ready, count=1)
-        mbarrier.init(w_empty, count=1)
-        gl.warp_specialize([
-            (_wkept_consumer, (gl.constexpr(0), out_ptr, out_desc, out_smem, turn_bars, tile_e_ptr, tile_row_ptr,
-                               tile_end_ptr, num_m_ptr, a_bufs, w_kept, a_ready, a_empty, w_ready, w_empty, N,
-                               stride_om, BLOCK_M, BLOCK_N, NUM_BUF, K_STEPS)),
-            (_wkept_consumer, (gl.constexpr(1), out_ptr, out_desc, out_smem, turn_bars, tile_e_ptr, tile_row_ptr,
-                               tile_end_ptr, num_m_ptr, a_bufs, w_kept, a_ready, a_empty, w_ready, w_empty, N,
-                               stride_om, BLOCK_M, BLOCK_N, NUM_BUF, K_STEPS)),
-            (_wkept_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_kept, a_ready, a_empty,
-                               w_ready, w_empty, K, N, BLOCK_N, BLOCK_K, NUM_BUF, K_STEPS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     # ---- swiglu: gathered a by cp.async, the gate's and the up projection's accumulators -----
 
@@ -627,17 +492,6 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
     tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
     a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], shared_layout(BLOCK_M, BLOCK_K))
     w_t = transposed_view(w_EKN)
-    if not w_t and K <= WKEPT_MAX_K and switches.gluon_wkept():  # w's [K, 128] block kept across row tiles
-        w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, WKEPT_BLOCK_N],
-                                  shared_layout(BLOCK_K, WKEPT_BLOCK_N))
-        out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, WKEPT_BLOCK_N],
-                                    shared_layout(BLOCK_M, WKEPT_BLOCK_N))
-        launch(_grouped_gemm_wkept_kernel, (num_sms(a_MK.device),),
-               (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0)),
-               dict(BLOCK_M=BLOCK_M, BLOCK_N=WKEPT_BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=WKEPT_NUM_BUF,
-                    K_STEPS=K // BLOCK_K, CONSUMER_REGS=WKEPT_CONSUMER_REGS, PRODUCER_REGS=WKEPT_PRODUCER_REGS,
-                    num_warps=4, maxnreg=maxnreg(4, 5)))
-        return out
     if w_t:  # its [E, N, K] storage, blocks of [BLOCK_N, BLOCK_K]
         w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [BLOCK_N, BLOCK_K], shared_layout(BLOCK_N, BLOCK_K))
     else:

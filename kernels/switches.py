@@ -211,12 +211,6 @@ def gluon_gemm() -> bool:
     return getenv("MEGATRON_MOE_GLUON_GEMM", "1") != "0"
 
 
-def gluon_wkept() -> bool:
-    """MEGATRON_MOE_GLUON_WKEPT == "1": a plain product of K <= 256 (w not transposed) that
-    kernels/gluon_gemm.py takes runs its ping-pong kernel with w's block kept in shared memory."""
-    return getenv("MEGATRON_MOE_GLUON_WKEPT", "0") == "1"
-
-
 def gluon_dact() -> bool:
     """MEGATRON_MOE_GLUON_DACT != "0": the activation's backward GEMM runs kernels/gluon_dact.py's
     ping-pong kernel where it takes the call."""

@@ -182,12 +182,6 @@ def scenarios():
         grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight)
         grouped_gemm(a, w, offsets, activation="swiglu")
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
-        os.environ["MEGATRON_MOE_GLUON_WKEPT"] = "1"  # K <= 256: w's block kept in shared memory
-        try:
-            grouped_gemm(a, w, offsets)
-            grouped_gemm(torch.randn(256, 256, dtype=bf16), torch.randn(3, 256, 272, dtype=bf16), offsets)
-        finally:
-            os.environ.pop("MEGATRON_MOE_GLUON_WKEPT")
     yield "Gluon row-grouped GEMM", gemm_gluon
 
     def dact_gluon():  # kernels/gluon_dact.py (on by default, as the Gluon GEMMs): swiglu and gelu, dy gathered, w2ᵀ

@@ -19,7 +19,6 @@ KERNELS = ["_adamw_kernel", "_chunk_scan_kernel", "_column_sum_finish_kernel", "
            "_copy_row_blocks_kernel", "_cross_entropy_bwd_kernel", "_cross_entropy_fwd_kernel",
            "_dds_kernel", "_dsd_kernel", "_expert_scan_kernel", "_gather_rows_kernel", "_grouped_gemm_kernel",
            "_grouped_wgrad_kernel", "_grouped_wgrad_gluon_kernel", "_grouped_gemm_gluon_kernel",
-           "_grouped_gemm_wkept_kernel",
            "_grouped_gemm_swiglu_kernel", "_grouped_gemm_dact_pingpong_kernel", "_histogram_kernel",
            "_ln_bwd_kernel", "_ln_fwd_kernel", "_logits_kernel", "_logits_dx_kernel", "_logits_dw_kernel",
            "_logits_bwd_kernel",

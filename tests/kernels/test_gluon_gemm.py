@@ -185,7 +185,6 @@ CASES = {  # K, N, rows per expert
 }
 VARIANTS = {  # grouped_gemm's options: gather, activation, act_scale, w as the view of a contiguous [E, N, K]
     "plain": (False, None, False, False),
-    "plain, w kept (K <= 256)": (False, None, False, False),
     "plain, transposed w (input gradient)": (False, None, False, True),
     "gather + swiglu + act_scale (up projection)": (True, "swiglu", True, False),
     "swiglu, sorted rows": (False, "swiglu", False, False),
@@ -211,8 +210,6 @@ def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypat
     """With three programs each walks several tiles of experts with different row counts (at
     one per SM these shapes give every program one tile at most)."""
     monkeypatch.setenv("MEGATRON_MOE_GLUON_GEMM", "1")
-    # the plain kernel with w's block kept takes K <= 256 (the other plain kernel the rest)
-    monkeypatch.setenv("MEGATRON_MOE_GLUON_WKEPT", "1" if "w kept" in variant else "0")
     if not _on_gpu_sm90():
         pytest.skip("needs an sm_90 GPU and Gluon's Hopper ops")
     if VARIANTS[variant][1] == "swiglu" and CASES[case][1] % 256:
