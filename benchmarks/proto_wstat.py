@@ -1,8 +1,9 @@
 """Experiment (issue #35): the plain row-grouped GEMM of a short reduction (sonic-1536's down
 projection, K 256) as a ping-pong kernel whose w block stays in shared memory across an expert's row
-tiles, so that a's rows are all it reads from L2 a step (docs/performance.md, "A TMA-fed ping-pong
-for the short plain products": the cooperative kernel is held by ~2 µs of idle tensor cores a tile,
-the ping-pong one by its L2 reads, 6.9 TB/s on an H100).
+tiles, so that a's rows are all it reads from L2 a step (docs/performance.md, "A ping-pong with w's
+block kept in shared memory": run on an H100 on 2026-12-07, the same bits as the cooperative kernel;
+as first ordered 0.56-1.00x it, a read from DRAM again for each column block; with the grouped order
+1.02-1.05x; not wired into the library).
 
     python benchmarks/proto_wstat.py --compile-only   # any machine: compiles for sm_90, prints its shared
                                                       #   memory, registers and spills
@@ -11,10 +12,12 @@ the ping-pong one by its L2 reads, 6.9 TB/s on an H100).
                                                       #   kernels/gluon_gemm.py's kernel at K 64-256
 
 out[s] = a[s] @ w[e] for the sorted rows s of expert e (bf16 in and out, fp32 sums); w [E, K, N]
-contiguous, K a multiple of 64 and at most 256, N of 16. Each program (one per SM) takes a
-contiguous range of the tiles listed column block first, row tile fastest, so consecutive tiles
-mostly share their expert and 128 columns, (e, n0), and with them w's [K, 128] block (64 KB at
-K 256):
+contiguous, K a multiple of 64 and at most 256, N of 16. Tiles are listed column block first, row
+tile fastest, so consecutive tiles mostly share their expert and 128 columns, (e, n0), and with them
+w's [K, 128] block (64 KB at K 256). Each program (one per SM) takes a contiguous range of that list:
+an even share of it, or (``grouped``, where there are at least as many programs as column blocks)
+column block p % tiles_n over the row tiles of its group p // tiles_n, so that a group's programs
+read the same rows of a at about the same time.
   producer (one warp): per tile, where (e, n0) changes, waits until the tiles of the block before
       are done (``w_empty``) and loads the new block by TMA (``w_ready``); then a's [128, 64] blocks
       of the tile's rows into a ring of NUM_BUF slots;
@@ -24,7 +27,6 @@ K 256):
       stores its tile through a 32 KB buffer of its own (TMA; an expert's last, partial tile from
       registers, its rows masked) under the other's MMAs.
 Shared memory at K 256: w's block 64 KB, a's ring 6 x 16 KB, the store buffers 2 x 32 KB: 224 KB.
-Not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -42,15 +44,28 @@ CONSUMER_REGS, PRODUCER_REGS = 232, 40
 
 
 @gluon.jit
-def _range(num_m_ptr, N, BN: gl.constexpr):
-    """This program's tiles: the contiguous range [start, start + count) of num_m x tiles_n."""
+def _range(num_m_ptr, N, BN: gl.constexpr, GROUPED: gl.constexpr):
+    """This program's tiles: the contiguous range [start, start + count) of num_m x tiles_n (tile
+    t = column block * num_m + row tile). GROUPED (nprog >= tiles_n): program p takes column block
+    p % tiles_n over the row tiles of its group p // tiles_n, so the tiles_n programs of a group read
+    the same rows of a at about the same time (a read from HBM once, as in the cooperative kernel's
+    order); else an even share of the whole list."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     num_m = gl.load(num_m_ptr)
-    total = num_m * gl.cdiv(N, BN)
-    per = gl.cdiv(total, nprog)
-    start = pid * per
-    return gl.maximum(num_m, 1), start, gl.maximum(gl.minimum(total - start, per), 0)
+    tiles_n = gl.cdiv(N, BN)
+    if GROUPED:
+        groups = gl.maximum(nprog // tiles_n, 1)
+        g = pid // tiles_n
+        per = gl.cdiv(num_m, groups)
+        start = (pid % tiles_n) * num_m + g * per
+        count = gl.maximum(gl.minimum(num_m - g * per, per), 0) * (g < groups).to(gl.int32)
+    else:
+        total = num_m * tiles_n
+        per = gl.cdiv(total, nprog)
+        start = pid * per
+        count = gl.maximum(gl.minimum(total - start, per), 0)
+    return gl.maximum(num_m, 1), start, count
 
 
 @gluon.jit
@@ -62,8 +77,9 @@ def _tile(t, num_m, tile_e_ptr, BN: gl.constexpr):
 
 @gluon.jit
 def _producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_res, a_ready, a_empty, w_ready,
-              w_empty, K, N, BN: gl.constexpr, BK: gl.constexpr, NUM_BUF: gl.constexpr, K_STEPS: gl.constexpr):
-    num_m, start, count = _range(num_m_ptr, N, BN)
+              w_empty, K, N, BN: gl.constexpr, BK: gl.constexpr, NUM_BUF: gl.constexpr, K_STEPS: gl.constexpr,
+              GROUPED: gl.constexpr):
+    num_m, start, count = _range(num_m_ptr, N, BN, GROUPED)
     prev_e = -1
     prev_n = -1
     blocks = 0  # w blocks loaded so far
@@ -91,11 +107,11 @@ def _producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_res
 @gluon.jit
 def _consumer(C: gl.constexpr, out_ptr, out_desc, out_smem, turn_bars, tile_e_ptr, tile_row_ptr, tile_end_ptr,
               num_m_ptr, a_bufs, w_res, a_ready, a_empty, w_ready, w_empty, N, stride_om, BM: gl.constexpr,
-              BN: gl.constexpr, NUM_BUF: gl.constexpr, K_STEPS: gl.constexpr):
+              BN: gl.constexpr, NUM_BUF: gl.constexpr, K_STEPS: gl.constexpr, GROUPED: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    num_m, start, count = _range(num_m_ptr, N, BN)
+    num_m, start, count = _range(num_m_ptr, N, BN, GROUPED)
     buf = out_smem.index(C)
     m, n0, e = _tile(start, num_m, tile_e_ptr, BN)
     block = 0  # the index of tile j's w block in this program's sequence
@@ -142,7 +158,8 @@ def _consumer(C: gl.constexpr, out_ptr, out_desc, out_smem, turn_bars, tile_e_pt
 @gluon.jit
 def _wstat_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, K, N,
                   stride_om, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NUM_BUF: gl.constexpr,
-                  K_STEPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                  K_STEPS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                  GROUPED: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
     w_res = gl.allocate_shared_memory(w_desc.dtype, [K_STEPS] + w_desc.block_type.shape, w_desc.layout)
     out_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
@@ -161,17 +178,18 @@ def _wstat_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr, t
     gl.warp_specialize([
         (_consumer, (gl.constexpr(0), out_ptr, out_desc, out_smem, turn_bars, tile_e_ptr, tile_row_ptr, tile_end_ptr,
                      num_m_ptr, a_bufs, w_res, a_ready, a_empty, w_ready, w_empty, N, stride_om, BM, BN, NUM_BUF,
-                     K_STEPS)),
+                     K_STEPS, GROUPED)),
         (_consumer, (gl.constexpr(1), out_ptr, out_desc, out_smem, turn_bars, tile_e_ptr, tile_row_ptr, tile_end_ptr,
                      num_m_ptr, a_bufs, w_res, a_ready, a_empty, w_ready, w_empty, N, stride_om, BM, BN, NUM_BUF,
-                     K_STEPS)),
+                     K_STEPS, GROUPED)),
         (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_res, a_ready, a_empty, w_ready,
-                     w_empty, K, N, BN, BK, NUM_BUF, K_STEPS)),
+                     w_empty, K, N, BN, BK, NUM_BUF, K_STEPS, GROUPED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def grouped_gemm_wstat(a_MK, w_EKN, offsets_E1, num_sms=132, warmup=False):
-    """out = a @ w[e] over each expert's sorted rows (bf16; rows past offsets_E1[-1] not written)."""
+def grouped_gemm_wstat(a_MK, w_EKN, offsets_E1, num_sms=132, warmup=False, grouped=False):
+    """out = a @ w[e] over each expert's sorted rows (bf16; rows past offsets_E1[-1] not written);
+    grouped: the grouped schedule of ``_range`` where num_sms >= N's column blocks."""
     S, K = a_MK.shape
     E, _, N = w_EKN.shape
     if K % BK or K > MAX_K or N % 16 or not w_EKN.is_contiguous() or a_MK.stride(1) != 1:
@@ -184,7 +202,8 @@ def grouped_gemm_wstat(a_MK, w_EKN, offsets_E1, num_sms=132, warmup=False):
     out_desc = TensorDescriptor(out, [S, N], [N, 1], [BM, BN], shared_layout(BM, BN))
     args = (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0))
     kw = dict(BM=BM, BN=BN, BK=BK, NUM_BUF=NUM_BUF, K_STEPS=K // BK, CONSUMER_REGS=CONSUMER_REGS,
-              PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=maxnreg(4, 5))
+              PRODUCER_REGS=PRODUCER_REGS, GROUPED=grouped and num_sms >= triton.cdiv(N, BN), num_warps=4,
+              maxnreg=maxnreg(4, 5))
     if warmup:
         return _wstat_kernel.warmup(*args, grid=(num_sms,), **kw)
     _wstat_kernel[(num_sms,)](*args, **kw)
@@ -225,7 +244,8 @@ def compile_only():
         for K in (64, 192, 256):
             offsets = torch.tensor([0, 100, 100, 356], dtype=torch.int32)
             kernel = grouped_gemm_wstat(torch.zeros(400, K, dtype=torch.bfloat16),
-                                        torch.zeros(3, K, 272, dtype=torch.bfloat16), offsets, warmup=True)
+                                        torch.zeros(3, K, 272, dtype=torch.bfloat16), offsets, warmup=True,
+                                        grouped=K == 192)  # the grouped schedule at K 192
             print(f"Triton {triton.__version__}, K {K}: compiled for sm_90, {kernel.metadata.shared} bytes of shared "
                   f"memory; ptxas: {ptxas_report(kernel.asm['ptx'])}", flush=True)
     finally:
@@ -253,14 +273,17 @@ def run(do_bench):
         S = sum(counts)
         a = torch.randn(S + 9, K, generator=gen).to(torch.bfloat16).to(dev)
         w = (torch.randn(len(counts), K, N, generator=gen) / K ** 0.5).to(torch.bfloat16).to(dev)
-        for programs in (132, 5, 3):  # one per SM; five and three, each program's range crossing blocks
-            got = grouped_gemm_wstat(a, w, offsets, num_sms=programs)[:S].double()
+        for programs, grouped in ((132, False), (5, False), (3, False), (132, True), (7, True), (3, True)):
+            # one per SM; five and three, each program's range crossing blocks; grouped: 7 and 3 programs,
+            # groups of several experts (3 programs at N 512: the range schedule)
+            got = grouped_gemm_wstat(a, w, offsets, num_sms=programs, grouped=grouped)[:S].double()
             bounds = offsets.tolist()
             want = torch.cat([a[s:t].double() @ w[i].double() for i, (s, t) in enumerate(zip(bounds, bounds[1:]))])
             err = (got - want).abs()
             bound = want.abs() * 2.0 ** -8 + 1e-4 * (want.abs().max().item() if want.numel() else 0.0)
             ok = bool((err <= bound).all())
-            print(f"check {name}, {programs} programs: {'ok' if ok else 'FAILED'} (max error "
+            print(f"check {name}, {programs} programs{', grouped' if grouped else ''}: "
+                  f"{'ok' if ok else 'FAILED'} (max error "
                   f"{err.max().item() if err.numel() else 0.0:.3e})", flush=True)
     S, E, N = 262144, 128, 1536
     for rows in ("even", "uneven"):
@@ -272,11 +295,14 @@ def run(do_bench):
         for name, K in SHAPES.items():
             a = torch.randn(S, K, device=dev, dtype=torch.bfloat16)
             w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16) / K ** 0.5
-            same = torch.equal(grouped_gemm_wstat(a, w, offsets), grouped_gemm_gluon(a, w, offsets))
+            want = grouped_gemm_gluon(a, w, offsets)
+            same = all(torch.equal(grouped_gemm_wstat(a, w, offsets, grouped=g), want) for g in (False, True))
             med = alternated(do_bench, {"wstat": lambda: grouped_gemm_wstat(a, w, offsets),
+                                        "grouped": lambda: grouped_gemm_wstat(a, w, offsets, grouped=True),
                                         "cooperative": lambda: grouped_gemm_gluon(a, w, offsets)})
-            print(f"{name:<22} {rows:<7} w kept {med['wstat']:.3f} ms  cooperative {med['cooperative']:.3f} ms  "
-                  f"{med['cooperative'] / med['wstat']:.2f}x  {'same bits' if same else 'BITS DIFFER'}", flush=True)
+            print(f"{name:<22} {rows:<7} w kept {med['wstat']:.3f} ms  grouped {med['grouped']:.3f} ms  cooperative "
+                  f"{med['cooperative']:.3f} ms  {med['cooperative'] / med['wstat']:.2f}x / "
+                  f"{med['cooperative'] / med['grouped']:.2f}x  {'same bits' if same else 'BITS DIFFER'}", flush=True)
 
 
 def main():

@@ -1,6 +1,7 @@
 """benchmarks/proto_wstat.py's kernel (the plain row-grouped GEMM with w's block kept in shared
-memory, a prototype not yet run on a GPU) compiles for Hopper (sm_90) on a machine without a GPU,
-within an SM's shared memory, without spills or serialised MMAs."""
+memory, a prototype: docs/performance.md, "A ping-pong with w's block kept in shared memory") compiles
+for Hopper (sm_90) on a machine without a GPU, in both tile orders (the grouped one at K 192), within
+an SM's shared memory, without spills or serialised MMAs."""
 from __future__ import annotations
 
 import os
