@@ -57,3 +57,16 @@ def load_script(path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def compile_only_output(script: str) -> str:
+    """``python benchmarks/SCRIPT --compile-only`` (a prototype's kernels compiled for sm_90) in a
+    process without Triton's interpreter, the repository first on its path: its stdout (it must
+    exit 0, else AssertionError with its output's tail)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", script), "--compile-only"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

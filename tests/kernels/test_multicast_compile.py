@@ -5,15 +5,10 @@ cluster, and a consumer's release of a ring slot reaching the other CTA (a remot
 older Triton the release is a local arrive, and the test says so by skipping."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from _util import compile_only_output
 
 
 def _triton_version():
@@ -26,12 +21,7 @@ def test_the_cluster_kernels_multicast_w_and_release_slots_across_ctas():
     pytest.importorskip("triton.backends.nvidia")
     if _triton_version() < (3, 8):
         pytest.skip("Triton < 3.8: no arrive across the CTAs of a cluster in Gluon (docs/performance.md)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "proto_multicast.py"), "--compile-only"],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    out = compile_only_output("proto_multicast.py")
     kernels = re.split(r"^Triton \S+, ", out, flags=re.M)[1:]
     assert [k.split(":")[0] for k in kernels] == ["smoke", "grouped", "swiglu"], out
     for text in kernels:
