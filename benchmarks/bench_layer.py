@@ -51,6 +51,7 @@ CONFIGS = {  # name: (tokens, hidden, ffn, experts, top_k, activation)
     "fine-64e-top8": (8192, 2048, 1024, 64, 8, "gelu"),
     "mixtral-ish": (8192, 4096, 14336, 8, 2, "gelu"),
     "dmoe-small": (32768, 768, 3072, 64, 1, "gelu"),  # configs/dmoe-small.yaml at micro-batch 32 (training)
+    "dmoe-small-128": (131072, 768, 3072, 64, 1, "gelu"),  # the same at micro-batch 128 (issue #33's batch 512)
     # fine-grained SwiGLU (issue #35): OLMoE's and Qwen3-30B-A3B's expert shapes, SonicMoE's two
     # benchmark shapes (its README's 32768 tokens), Mixtral's
     "olmoe": (16384, 2048, 1024, 64, 8, "swiglu"),

@@ -150,35 +150,43 @@ def gemm_problems(shape, device, skew=0.0):
     g1 = torch.zeros(E, H, X, device=device)
     g2 = torch.zeros(E, F, H, device=device)
     return dict(T=T, H=H, F=F, X=X, E=E, K=K, S=S, activation=activation, off=off, tok=tok, order=order,
-                x=x, dy=dy, w1=w1, w2=w2, act=act, pre=pre, scale=scale, g1=g1, g2=g2,
-                dys=dy[tok.long()].contiguous())
+                x=x, dy=dy, w1=w1, w2=w2, act=act, pre=pre, scale=scale, g1=g1, g2=g2, routing=r,
+                dys=dy[tok.long()].contiguous(), xs=x[tok.long()].contiguous())
 
 
-def _no_tma(fn):
-    """fn with MEGATRON_MOE_TMA_ADD=0: accumulating weight gradients load, add and store in the kernel."""
+def _env(name, value, fn):
+    """fn run with the environment variable ``name`` set to ``value`` (a kernel switch)."""
     def run():
-        before = os.environ.get("MEGATRON_MOE_TMA_ADD")
-        os.environ["MEGATRON_MOE_TMA_ADD"] = "0"
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             return fn()
         finally:
             if before is None:
-                del os.environ["MEGATRON_MOE_TMA_ADD"]
+                del os.environ[name]
             else:
-                os.environ["MEGATRON_MOE_TMA_ADD"] = before
+                os.environ[name] = before
     return run
+
+
+def _no_tma(fn):
+    """fn with MEGATRON_MOE_TMA_ADD=0: accumulating weight gradients load, add and store in the kernel."""
+    return _env("MEGATRON_MOE_TMA_ADD", "0", fn)
 
 
 def gemm_calls(p):
     from megatron_moe.kernels import grouped as G
+    from megatron_moe.kernels.permute import gather_rows
 
     a = p["activation"]
     return {
         f"fwd1 x[t]@w1 +{a}*w": lambda: G.grouped_gemm(p["x"], p["w1"], p["off"], gather_S=p["tok"],
                                                        activation=a, act_scale_S=p["scale"]),
         "fwd2 wact@w2 ->scatter": lambda: G.grouped_gemm(p["act"], p["w2"], p["off"], scatter_S=p["order"]),
+        # the activation backward in place, as the layer runs it (pre overwritten by dpre; with
+        # inplace=False the call would first copy pre, 2·S·X·2 more bytes; until 2026-12-07 it did)
         f"bwd dy[t]@w2T +d{a}": lambda: G.grouped_gemm_dact(p["dy"], p["w2"].transpose(1, 2), p["off"], p["pre"],
-                                                             a, gather_S=p["tok"], scale_S=p["scale"]),
+                                                             a, gather_S=p["tok"], scale_S=p["scale"], inplace=True),
         "wgrad dw2 actT@dy[t]": lambda: G.grouped_wgrad(p["act"], p["dy"], p["off"], gather_b_S=p["tok"]),
         f"wgrad dw2 w*{a}(pre)T@dy[t]": lambda: G.grouped_wgrad(p["pre"], p["dy"], p["off"], gather_b_S=p["tok"],
                                                                a_activation=a, a_scale_S=p["scale"]),
@@ -194,11 +202,22 @@ def gemm_calls(p):
             p["x"], p["pre"], p["off"], gather_a_S=p["tok"], out=p["g1"], accumulate=True)),
         "dx dpre@w1T ->scatter": lambda: G.grouped_gemm(p["pre"], p["w1"].transpose(1, 2), p["off"],
                                                        scatter_S=p["order"]),
-        # ablations of the bwd GEMM: without its gather, without its epilogue
-        f"abl bwd dys@w2T +d{a}": lambda: G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"],
-                                                                p["pre"], a, scale_S=p["scale"]),
+        # an ablation of the bwd GEMM: without its epilogue
         "abl bwd dy[t]@w2T plain": lambda: G.grouped_gemm(p["dy"], p["w2"].transpose(1, 2), p["off"],
                                                           gather_S=p["tok"]),
+        # each gathered operand sorted beforehand (x[t] as xs, dy[t] as dys): what the GEMMs give
+        # when the rows are permuted once (a top-1 layer's copies, "perm" below) rather than gathered
+        f"sorted fwd1 xs@w1 +{a}*w": lambda: G.grouped_gemm(p["xs"], p["w1"], p["off"], activation=a,
+                                                            act_scale_S=p["scale"]),
+        f"sorted bwd dys@w2T +d{a}": lambda: G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"],
+                                                                  p["pre"], a, scale_S=p["scale"], inplace=True),
+        f"sorted bwd dys@w2T +d{a} cp.async": _env("MEGATRON_MOE_GLUON_DACT_TMA", "0", lambda: G.grouped_gemm_dact(
+            p["dys"], p["w2"].transpose(1, 2), p["off"], p["pre"], a, scale_S=p["scale"], inplace=True)),
+        "sorted wgrad dw2 actT@dys +=fp32": lambda: G.grouped_wgrad(p["act"], p["dys"], p["off"], out=p["g2"],
+                                                                   accumulate=True),
+        "sorted wgrad dw1 xsT@dpre +=fp32": lambda: G.grouped_wgrad(p["xs"], p["pre"], p["off"], out=p["g1"],
+                                                                   accumulate=True),
+        "perm x -> xs (gather_rows, sorted)": lambda: gather_rows(p["x"], p["routing"], layout="sorted"),
     }
 
 

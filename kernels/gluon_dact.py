@@ -17,7 +17,12 @@ its MMAs. Here it does: 1.00-1.30x the Triton kernel at seven shapes, sonic-4096
 Each program (one per SM) walks its tiles i = pid, pid + grid, ...:
   producer (4 warps): per tile, per step of the reduction (64 deep; gelu 128 where K allows: TILE),
       the TMA load of w's [128, step] block of its [E * N, K] storage and the cp.async of a's 128
-      gathered rows into a ring of slots;
+      gathered rows into a ring of slots; with sorted rows (no gather: a top-1 layer's backward
+      permutes dy once) one warp loads a's blocks by TMA too (kernels/gluon_gemm.py's
+      ``tma_producer``; an expert's last tile then reads rows past the expert's end, whose
+      results are not stored): at dmoe-small's shape on an H200 1.877 ms against 2.018 by
+      cp.async and 2.090 gathered, each call with a ~0.35 ms copy of pre (docs/performance.md,
+      "dmoe-small's layer at micro-batch 128");
   consumer c (one warpgroup each, c = 0, 1): the tiles i with i % 2 == c, a [128, 128] fp32
       accumulator. The consumers take turns at the ring: c multiplies tile i only once the other's
       MMAs of tile i - 1 are done, so the ring's slots are read in step order (a parity wait on a
@@ -48,6 +53,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # what every call's shape must divide 
 TILE = {"swiglu": (128, 128, 64, 5), "gelu": (128, 128, 128, 3)}
 TILE_K64 = {"swiglu": (128, 128, 64, 5), "gelu": (128, 128, 64, 6)}  # K an odd multiple of 64
 PRODUCER_WARPS, PRODUCER_REGS, CONSUMER_REGS = 4, 80, 208
+TMA_PRODUCER_WARPS, TMA_PRODUCER_REGS = 1, 40  # rows sorted: one warp issues a's and w's TMA loads
 
 
 def tile_for(activation, K):
@@ -63,7 +69,7 @@ def smem_bytes(tile, activation):
     return slots * (rows + cols) * step * 2 + rows * cols * 2 * (2 if activation == "swiglu" else 1)
 
 if gluon is not None:
-    from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_head, tile_mn
+    from .gluon_gemm import gathered_producer, program_tiles, store_rows, tanh_approx, tile_head, tile_mn, tma_producer
 
     @gluon.jit
     def _gelu_and_grad(h):
@@ -97,8 +103,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(C: gl.constexpr, pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr, scale_ptr,
                   tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N,
-                  stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+                  stride_pm, num_slots, SWIGLU: gl.constexpr, HAS_SCALE: gl.constexpr, A_TMA: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
         """Consumer C's tiles (i % 2 == C of this program's): its turn at the ring (one MMA a step in
         flight), then its turn at the pre-activation's buffer, the epilogue there, dpre stored from it."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -123,9 +129,10 @@ if gluon is not None:
             for kk in range(k_steps):
                 slot = count % NUM_BUF
                 phase = (count // NUM_BUF) & 1
-                mbarrier.wait(w_ready.index(slot), phase)
-                mbarrier.wait(a_ready.index(slot), phase)
-                fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
+                mbarrier.wait(w_ready.index(slot), phase)  # A_TMA: a's bytes too
+                if not A_TMA:
+                    mbarrier.wait(a_ready.index(slot), phase)
+                    fence_async_shared()  # the cp.async writes, seen through the barrier, to the tensor cores
                 acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, use_acc=kk > 0,
                                     is_async=True)
                 acc = warpgroup_mma_wait(1, deps=[acc])  # the step before is done: its slot free
@@ -186,12 +193,15 @@ if gluon is not None:
 
     @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
-        a_ptr, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr, tile_row_ptr, tile_end_ptr,
-        num_m_ptr, K, N, stride_am, stride_pm, num_slots,
-        SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        a_ptr, a_desc, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr, tile_row_ptr,
+        tile_end_ptr, num_m_ptr, K, N, stride_am, stride_pm, num_slots,
+        SWIGLU: gl.constexpr, HAS_GATHER: gl.constexpr, HAS_SCALE: gl.constexpr, A_TMA: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):
+        # A_TMA (rows sorted, no gather): a's blocks by TMA beside w's, one barrier for both; an
+        # expert's last tile then reads rows of the next expert (or zeros past a's end) into rows
+        # whose results are never stored. Else a's rows by the producer warps' cp.async.
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], a_layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
@@ -212,19 +222,35 @@ if gluon is not None:
             mbarrier.init(pre_bars.index(i), count=1)
             mbarrier.init(turn_bars.index(i), count=1)
             mbarrier.init(pre_turn.index(i), count=1)
-        gl.warp_specialize([  # one consumer function, its index C a constexpr argument
-            (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF)),
-            (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF)),
-            (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
-                                 a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
-        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        # one consumer function, its index C a constexpr argument (the lists written out twice: a
+        # tuple of arguments bound to a name loses its constexprs)
+        if A_TMA:
+            gl.warp_specialize([
+                (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_BUF)),
+                (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_BUF)),
+                (tma_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, w_ready,
+                                empty_bars, K, N, BLOCK_N, BLOCK_K, NUM_BUF, True)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_BUF)),
+                (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
+                             BLOCK_K, NUM_BUF)),
+                (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
+                                     a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None) -> bool:
@@ -277,12 +303,19 @@ def grouped_gemm_dact_pingpong(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, g
     w_desc = TensorDescriptor(w_EKN, [E * N, K], [K, 1], [block_n, block_k], shared_layout(block_n, block_k))
     pre_desc = TensorDescriptor(dpre, list(dpre.shape), [dpre.stride(0), 1], [block_m, block_n],
                                 shared_layout(block_m, block_n))
+    a_tma = gather_S is None and switches.gluon_dact_tma()
+    if a_tma:  # sorted rows: a's blocks by TMA (a's own rows: S of them)
+        a_desc = TensorDescriptor(a_MK, [a_MK.shape[0], K], [a_MK.stride(0), 1], [block_m, block_k],
+                                  shared_layout(block_m, block_k))
+        producer_warps, producer_regs = TMA_PRODUCER_WARPS, TMA_PRODUCER_REGS
+    else:
+        a_desc, producer_warps, producer_regs = w_desc, PRODUCER_WARPS, PRODUCER_REGS  # (a_desc unused)
     launch(_grouped_gemm_dact_pingpong_kernel, (num_sms(dev),),
-           (a_MK, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
+           (a_MK, a_desc, gather_S if gather_S is not None else offsets_E1, w_desc, pre_desc, dpre, dscale_part,
             scale_S if scale_S is not None else dscale_part, tile_e, tile_row, tile_end, num_m, K, N, a_MK.stride(0),
             dpre.stride(0), num_slots),
            dict(SWIGLU=activation == "swiglu", HAS_GATHER=gather_S is not None, HAS_SCALE=scale_S is not None,
-                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_BUF=num_buf,
-                PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
-                maxnreg=maxnreg(4, 4 + PRODUCER_WARPS)))
+                A_TMA=a_tma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_BUF=num_buf,
+                PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CONSUMER_REGS=CONSUMER_REGS, num_warps=4,
+                maxnreg=maxnreg(4, 4 + producer_warps)))
     return dpre, dscale_part.sum(1)

@@ -154,8 +154,8 @@ if gluon is not None:
     # ---- plain: sorted a by TMA, one 128 x 256 accumulator ------------------------------------
 
     @gluon.jit
-    def _producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
-                  K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, W_T: gl.constexpr):
+    def tma_producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
+                     K, N, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, W_T: gl.constexpr):
         """Per tile, per step of BLOCK_K: wait for a free slot, TMA a's rows and w's block into it
         (W_T: w's [BLOCK_N, BLOCK_K] block of its [E, N, K] storage)."""
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
@@ -234,8 +234,8 @@ if gluon is not None:
             (_consumer, (out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
                          w_bufs, ready_bars, empty_bars, K, N, stride_om, BLOCK_M, BLOCK_N, BLOCK_K,
                          NUM_BUF, NUM_WARPS, W_T)),
-            (_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
-                         K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
+            (tma_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars,
+                            empty_bars, K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
         ], [1], [40])
 
     # ---- swiglu: gathered a by cp.async, the gate's and the up projection's accumulators -----

@@ -48,6 +48,11 @@
 |                         | sm_90) runs kernels/gluon_dact.py's       | epilogue)                                     |
 |                         | ping-pong kernel where it applies         |                                               |
 |                         | (``supported``)                           |                                               |
+| MEGATRON_MOE_GLUON_DACT_TMA | with sorted rows (no gather), that    | 0: its producer warps' cp.async for a too     |
+|                         | kernel loads a's blocks by TMA            |                                               |
+| MEGATRON_MOE_SORTED_DY  | a top-1 layer's backward permutes dy      | 0: dw2 and the activation backward gather     |
+|                         | into expert order once, for dw2 and the   | dy's rows themselves                          |
+|                         | activation backward                       |                                               |
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
 |                         | a key call the compiled kernel directly   |                                               |
 |                         | (kernels/launcher.py)                     |                                               |
@@ -66,9 +71,9 @@ Each function reads the environment when it is called. The grouped GEMMs' config
 single config never goes through the autotuner, which in some Triton versions benchmarks even
 one); everything else is read at each new tuning key (the autotuners' prune functions: the
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
-each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``,
+each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``, ``gluon_dact_tma``,
 ``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``,
-``fast_launch``) or at each layer step (``router_dx_add``) or at each new tuning
+``fast_launch``) or at each layer step (``router_dx_add``, ``sorted_dy``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
 go through :func:`getenv`, ``os.environ.get`` without its per-call encoding (a layer step reads
@@ -217,6 +222,12 @@ def gluon_dact() -> bool:
     return getenv("MEGATRON_MOE_GLUON_DACT", "1") != "0"
 
 
+def gluon_dact_tma() -> bool:
+    """MEGATRON_MOE_GLUON_DACT_TMA != "0": with sorted rows (no gather) the ping-pong kernel loads
+    a's blocks by TMA, not by its producer warps' cp.async."""
+    return getenv("MEGATRON_MOE_GLUON_DACT_TMA", "1") != "0"
+
+
 FAST_LAUNCH = "MEGATRON_MOE_FAST_LAUNCH"
 
 
@@ -230,6 +241,13 @@ def router_gemm() -> bool:
     """MEGATRON_MOE_ROUTER_GEMM != "0": the router's logits and their gradients through
     kernels/router_gemm.py (megatron_moe/ops/router_logits.py)."""
     return getenv("MEGATRON_MOE_ROUTER_GEMM", "1") != "0"
+
+
+def sorted_dy() -> bool:
+    """MEGATRON_MOE_SORTED_DY != "0": a top-1 layer's backward permutes dy into expert order once
+    (megatron_moe/ops/triton_grouped_mlp.py) for its activation backward and dw2, which then read
+    sorted rows rather than gathering them."""
+    return getenv("MEGATRON_MOE_SORTED_DY", "1") != "0"
 
 
 def router_dx_add() -> bool:

@@ -19,6 +19,8 @@ pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is fre
                        recomputed from pre in its prologue, rounded as the forward rounded it)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
   7. dx_SH[s] = dpre[s] @ w1[e]ᵀ, then the sum over k as in 3  (grouped_gemm; K = 1: scattered)
+With K = 1, dy's rows are permuted once before step 5 (dy_NH = dy[t(s)], a copy of [T, H]) and
+steps 4 and 5 read them in sorted order, step 4's by TMA (MEGATRON_MOE_SORTED_DY=0: each gathers).
 With bf16 compute copies of fp32 weights (training.precision.BF16Params with gradient-accumulation
 fusion), steps 5 and 6 add their fp32 results straight into the masters' .grad in the kernels'
 epilogues and the Function returns no gradient for w1 and w2 (master_grad.fp32_grad_of).
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_moe.kernels import switches
 from megatron_moe.kernels.activation import ACTIVATIONS, pre_width_factor
 from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
 from megatron_moe.kernels.metadata import Routing
@@ -95,17 +98,24 @@ class TritonGroupedMLP(torch.autograd.Function):
         dy_TH = dy_TH.to(x_TH.dtype)
         ctx.pre_consumed = True
 
+        # top-1: dy's rows permuted into expert order once (a copy of [T, H]), so that steps 4 and 5
+        # read sorted rows (step 4's by TMA) rather than gathering them each
+        dy_NH, gather_dy = dy_TH, token_N
+        if K == 1 and switches.sorted_dy():
+            dy_NH, gather_dy = dy_TH.index_select(0, token_N), None
         # 5. first: it reads pre (or wact) before step 4 overwrites pre
         if need_w2 and wact_NF is not None:
-            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, wact_NF, dy_TH, offsets_E1, gather_b_S=token_N)
+            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, wact_NF, dy_NH, offsets_E1, gather_b_S=gather_dy)
         elif need_w2:  # recompute_activation: wact = weight · act(pre) in the kernel's prologue
-            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, pre_NF, dy_TH, offsets_E1, gather_b_S=token_N,
+            dw2 = _weight_grad(ctx.sinks[1], w2_EFH.dtype, pre_NF, dy_NH, offsets_E1, gather_b_S=gather_dy,
                                a_activation=ctx.activation, a_scale_S=weight_N)
         if wact_NF is not None:
             release(wact_NF)
         # 4. g = dy[t(s)] @ w2[e]ᵀ with the activation backward in the epilogue, dpre over pre.
-        dpre_NF, dweight_N = grouped_gemm_dact(dy_TH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF, ctx.activation,
-                                               gather_S=token_N, scale_S=weight_N, inplace=True)
+        dpre_NF, dweight_N = grouped_gemm_dact(dy_NH, w2_EFH.transpose(1, 2), offsets_E1, pre_NF, ctx.activation,
+                                               gather_S=gather_dy, scale_S=weight_N, inplace=True)
+        if gather_dy is None:
+            release(dy_NH)
         if need_weights:  # back to assignment order: assignment a sits at sorted position sorted_row[a]
             dweights = dweight_N.index_select(0, sorted_row_N).view(T, K).to(ctx.weights_dtype)
         if need_w1:  # 6.

@@ -184,13 +184,15 @@ def scenarios():
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
 
-    def dact_gluon():  # kernels/gluon_dact.py (on by default, as the Gluon GEMMs): swiglu and gelu, dy gathered, w2ᵀ
+    def dact_gluon():  # kernels/gluon_dact.py (on by default, as the Gluon GEMMs): swiglu, gelu; dy gathered, sorted
         dy, w2 = torch.randn(40, 128, dtype=bf16), torch.randn(3, 256, 128, dtype=bf16)
         offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
         token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
         for activation, width in (("swiglu", 512), ("gelu", 256)):
             pre = torch.randn(256, width, dtype=bf16)
             grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, pre, activation, gather_S=token, scale_S=weight)
+            # rows sorted (no gather): a's blocks by TMA
+            grouped_gemm_dact(torch.randn(256, 128, dtype=bf16), w2.transpose(1, 2), offsets, pre, activation)
         # gelu's ring of 64-deep steps, where K is an odd multiple of 64 (128 takes 128-deep steps)
         dy, w2 = torch.randn(40, 192, dtype=bf16), torch.randn(3, 256, 192, dtype=bf16)
         grouped_gemm_dact(dy, w2.transpose(1, 2), offsets, torch.randn(256, 256, dtype=bf16), "gelu", gather_S=token,

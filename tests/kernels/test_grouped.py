@@ -125,6 +125,19 @@ def test_grouped_mlp_bf16(case, device):
     check_op(*OP_CASES[case], dtype=torch.bfloat16, device=device)
 
 
+@pytest.mark.parametrize("case", ["one_expert", "16_experts_top1", "all_to_one_expert"])
+def test_top1_backward_with_dy_sorted_once_or_gathered(case, device, monkeypatch):
+    """Top-1: the backward permutes dy once and its activation backward and dw2 read sorted rows
+    (MEGATRON_MOE_SORTED_DY, the default), or they gather dy's rows themselves: both against the
+    float64 loop (check_op), and the same bits (only the rows' addresses differ)."""
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("MEGATRON_MOE_SORTED_DY", on)
+        runs.append(check_op(*OP_CASES[case], dtype=torch.bfloat16, device=device))
+    for a, b in zip(*runs):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("case", ["16_experts_top1", "top_k_eq_num_experts", "empty_experts_top2"])
 def test_grouped_mlp_recompute_activation(case, device):
     """Only pre saved, wact recomputed in the dw2 kernel: the same gradients against the float64
