@@ -50,9 +50,9 @@
 |                         | (``supported``)                           |                                               |
 | MEGATRON_MOE_GLUON_DACT_TMA | with sorted rows (no gather), that    | 0: its producer warps' cp.async for a too     |
 |                         | kernel loads a's blocks by TMA            |                                               |
-| MEGATRON_MOE_SORTED_DY  | a top-1 layer's backward permutes dy      | 0: dw2 and the activation backward gather     |
-|                         | into expert order once, for dw2 and the   | dy's rows themselves                          |
-|                         | activation backward                       |                                               |
+| MEGATRON_MOE_SORTED_DY  | dw2 and the activation backward gather    | 1: a top-1 layer's backward permutes dy into  |
+|                         | dy's rows themselves                      | expert order once for both (untimed in the    |
+|                         |                                           | layer yet)                                    |
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
 |                         | a key call the compiled kernel directly   |                                               |
 |                         | (kernels/launcher.py)                     |                                               |
@@ -244,10 +244,11 @@ def router_gemm() -> bool:
 
 
 def sorted_dy() -> bool:
-    """MEGATRON_MOE_SORTED_DY != "0": a top-1 layer's backward permutes dy into expert order once
+    """MEGATRON_MOE_SORTED_DY == "1": a top-1 layer's backward permutes dy into expert order once
     (megatron_moe/ops/triton_grouped_mlp.py) for its activation backward and dw2, which then read
-    sorted rows rather than gathering them."""
-    return getenv("MEGATRON_MOE_SORTED_DY", "1") != "0"
+    sorted rows rather than gathering them. Off by default until the layer is timed with it
+    (docs/performance.md, "dy sorted once for a top-1 backward")."""
+    return getenv("MEGATRON_MOE_SORTED_DY", "0") == "1"
 
 
 def router_dx_add() -> bool:
