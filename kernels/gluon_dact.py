@@ -192,6 +192,21 @@ if gluon is not None:
             mbarrier.arrive(pre_turn.index(1 - C))
 
     @gluon.jit
+    def _producer(a_ptr, a_desc, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
+                  a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER: gl.constexpr, A_TMA: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr,
+                  PRODUCER_WARPS: gl.constexpr):
+        """A_TMA: one warp's TMA loads of a's and w's blocks (w_ready counts both; a_ready unused);
+        else the producer warps' cp.async of a's rows beside w's TMA loads."""
+        if A_TMA:
+            tma_producer(a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, w_ready, empty_bars, K, N,
+                         BLOCK_N, BLOCK_K, NUM_BUF, True)
+        else:
+            gathered_producer(a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+                              w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False, BLOCK_M,
+                              BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)
+
+    @gluon.jit
     def _grouped_gemm_dact_pingpong_kernel(
         a_ptr, a_desc, gather_ptr, w_desc, pre_desc, pre_ptr, dscale_ptr, scale_ptr, tile_e_ptr, tile_row_ptr,
         tile_end_ptr, num_m_ptr, K, N, stride_am, stride_pm, num_slots,
@@ -222,35 +237,19 @@ if gluon is not None:
             mbarrier.init(pre_bars.index(i), count=1)
             mbarrier.init(turn_bars.index(i), count=1)
             mbarrier.init(pre_turn.index(i), count=1)
-        # one consumer function, its index C a constexpr argument (the lists written out twice: a
-        # tuple of arguments bound to a name loses its constexprs)
-        if A_TMA:
-            gl.warp_specialize([
-                (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
-                             BLOCK_K, NUM_BUF)),
-                (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
-                             BLOCK_K, NUM_BUF)),
-                (tma_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, w_ready,
-                                empty_bars, K, N, BLOCK_N, BLOCK_K, NUM_BUF, True)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
-                             BLOCK_K, NUM_BUF)),
-                (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
-                             scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
-                             empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N,
-                             BLOCK_K, NUM_BUF)),
-                (gathered_producer, (a_ptr, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
-                                     a_bufs, w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, False,
-                                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
-            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([  # one consumer function, its index C a constexpr argument
+            (_consumer, (gl.constexpr(0), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF)),
+            (_consumer, (gl.constexpr(1), pre_ptr, pre_desc, pre_smem, pre_bars, turn_bars, pre_turn, dscale_ptr,
+                         scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs, a_ready, w_ready,
+                         empty_bars, K, N, stride_pm, num_slots, SWIGLU, HAS_SCALE, A_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+                         NUM_BUF)),
+            (_producer, (a_ptr, a_desc, gather_ptr, w_desc, tile_e_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
+                         w_bufs, a_ready, w_ready, empty_bars, K, N, stride_am, HAS_GATHER, A_TMA, BLOCK_M, BLOCK_N,
+                         BLOCK_K, NUM_BUF, PRODUCER_WARPS)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supported(a_MK, w_EKN, offsets_E1, pre_SX, activation, *, gather_S=None, scale_S=None) -> bool:
