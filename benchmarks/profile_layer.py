@@ -154,24 +154,19 @@ def gemm_problems(shape, device, skew=0.0):
                 dys=dy[tok.long()].contiguous(), xs=x[tok.long()].contiguous())
 
 
-def _env(name, value, fn):
-    """fn run with the environment variable ``name`` set to ``value`` (a kernel switch)."""
+def _switched(name, on, fn):
+    """fn run with the kernel switch ``name`` on or off (kernels/switches.py's ``setting``)."""
+    from megatron_moe.kernels import switches
+
     def run():
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with switches.setting(name, on):
             return fn()
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
     return run
 
 
 def _no_tma(fn):
     """fn with MEGATRON_MOE_TMA_ADD=0: accumulating weight gradients load, add and store in the kernel."""
-    return _env("MEGATRON_MOE_TMA_ADD", "0", fn)
+    return _switched("MEGATRON_MOE_TMA_ADD", False, fn)
 
 
 def gemm_calls(p):
@@ -211,8 +206,9 @@ def gemm_calls(p):
                                                             act_scale_S=p["scale"]),
         f"sorted bwd dys@w2T +d{a}": lambda: G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"],
                                                                   p["pre"], a, scale_S=p["scale"], inplace=True),
-        f"sorted bwd dys@w2T +d{a} cp.async": _env("MEGATRON_MOE_GLUON_DACT_TMA", "0", lambda: G.grouped_gemm_dact(
-            p["dys"], p["w2"].transpose(1, 2), p["off"], p["pre"], a, scale_S=p["scale"], inplace=True)),
+        f"sorted bwd dys@w2T +d{a} cp.async": _switched("MEGATRON_MOE_GLUON_DACT_TMA", False, lambda: (
+            G.grouped_gemm_dact(p["dys"], p["w2"].transpose(1, 2), p["off"], p["pre"], a, scale_S=p["scale"],
+                                inplace=True))),
         "sorted wgrad dw2 actT@dys +=fp32": lambda: G.grouped_wgrad(p["act"], p["dys"], p["off"], out=p["g2"],
                                                                    accumulate=True),
         "sorted wgrad dw1 xsT@dpre +=fp32": lambda: G.grouped_wgrad(p["xs"], p["pre"], p["off"], out=p["g1"],
