@@ -7,6 +7,8 @@
     python benchmarks/bench_layer.py --configs qwen3-30b-a3b --providers dense,triton_grouped,sonicmoe  # SonicMoE
     python benchmarks/bench_layer.py --out benchmarks/results/h100.json
     python benchmarks/bench_layer.py --timing eager,graph  # also replays of a CUDA graph of each step
+    python benchmarks/bench_layer.py --configs dmoe-small-128 --providers dense,triton_grouped \
+        --ab MEGATRON_MOE_SORTED_DY --rounds 2   # a kernel switch on, off, on, off in one process
 
 Providers:
   dense             a dense MLP of the same FLOPs (ffn = ffn * top_k, the config's activation), no router
@@ -34,6 +36,13 @@ replays are timed, so the host's Python and launch costs drop out and the GPU's 
 step is what is measured (in training the host runs ahead, enqueueing later layers while the GPU
 works, unless something synchronises). A provider that synchronises with the host cannot be
 captured: its row says so. The MoE providers other than capacity have no host synchronisation.
+
+--ab SWITCH (one of kernels/switches.py's variables, read at each launch or layer step): each
+provider's step is timed with the switch on, then off, --rounds times over, on the same model and
+inputs in one process (eager), so that machine and process differences drop out of the
+comparison; each row names the setting (``switch``: "NAME=1" or "NAME=0") and its round. A switch
+read only when a kernel is first tuned (MEGATRON_MOE_AUTOTUNE, MEGATRON_MOE_PERSISTENT) does not
+take effect this way.
 """
 from __future__ import annotations
 
@@ -267,6 +276,32 @@ def bench_one(provider, shape, device, warmup_ms, rep_ms, timings=("eager",)):
     return rows
 
 
+def bench_ab(provider, shape, device, warmup_ms, rep_ms, switch, rounds):
+    """Rows of the eager step with kernel switch ``switch`` on and off in turn, ``rounds`` times,
+    one model and one input (see --ab)."""
+    import triton.testing
+
+    from megatron_moe.kernels import switches
+
+    tokens, hidden, ffn, experts, top_k, activation = shape
+    step, model, x = make_step(provider, shape, device)
+    flops = flops_of(tokens, hidden, ffn, top_k, activation)
+    rows = []
+    for rnd in range(rounds):
+        for on in (True, False):
+            with switches.setting(switch, on):
+                step()  # compile / tune what this setting runs
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+            rows.append(dict(config=None, provider=provider, timing="eager", switch=f"{switch}={int(on)}",
+                             round=rnd, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
+                             activation=activation, peak_mem_gb=float("nan"), first_s=float("nan"),
+                             median_ms=ms, tflops=flops / ms / 1e9))
+    del model, x, step
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
@@ -279,6 +314,9 @@ def main(argv=None):
                     help="eager, graph (replays of each step captured in a CUDA graph: the GPU's time, "
                          "not the host's) or eager,graph")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--ab", default=None, metavar="SWITCH",
+                    help="time each step with this kernel switch (kernels/switches.py) on and off in turn")
+    ap.add_argument("--rounds", type=int, default=2, help="--ab: how many on/off pairs (default 2)")
     args = ap.parse_args(argv)
     providers = canonical_providers(args.providers)
     if not torch.cuda.is_available():
@@ -293,6 +331,15 @@ def main(argv=None):
     timings = args.timing.split(",")
     if not set(timings) <= {"eager", "graph"}:
         sys.exit(f"--timing {args.timing!r}: expected eager, graph or eager,graph")
+    if args.ab is not None:
+        from megatron_moe.kernels import switches
+        if f"| {args.ab} " not in switches.__doc__:
+            sys.exit(f"--ab {args.ab!r}: not one of kernels/switches.py's variables (its table lists them)")
+        if timings != ["eager"]:
+            sys.exit("--ab times the eager step only: leave --timing out")
+        if args.rounds < 1:
+            sys.exit(f"--rounds {args.rounds}: expected 1 or more")
+        meta["ab"] = args.ab
     rows = []
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
@@ -302,7 +349,10 @@ def main(argv=None):
         shape = CONFIGS[name]
         for provider in providers:
             try:
-                new = bench_one(provider, shape, device, args.warmup_ms, args.rep_ms, timings)
+                if args.ab is not None and provider != "dense":
+                    new = bench_ab(provider, shape, device, args.warmup_ms, args.rep_ms, args.ab, args.rounds)
+                else:
+                    new = bench_one(provider, shape, device, args.warmup_ms, args.rep_ms, timings)
             except Exception as e:  # keep going: one failing provider must not hide the others
                 new = [dict(provider=provider, timing=t, error=f"{type(e).__name__}: {e}"[:300]) for t in timings]
             for row in new:
@@ -316,14 +366,15 @@ def main(argv=None):
         if "tflops" in r and dense:
             r["vs_dense"] = r["tflops"] / dense["tflops"]
     print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}")
-    print(f"{'config':<14} {'provider':<24} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8} "
+    print(f"{'config':<14} {'provider':<34} {'timing':<6} {'ms':>8} {'TFLOP/s':>8} {'vs dense':>8} {'peak GB':>8} "
           f"{'first s':>8}")
     for r in rows:
-        head = f"{r['config']:<14} {r['provider']:<24} {r['timing']:<6}"
+        name = r["provider"] + (f" {r['switch'].removeprefix('MEGATRON_MOE_')}" if "switch" in r else "")
+        head = f"{r['config']:<14} {name:<34} {r['timing']:<6}"
         if "error" in r:
             print(f"{head} ERROR {r['error'][:80]}")
         else:
-            print(f"{head} {r['median_ms']:8.2f} {r['tflops']:8.1f} "
+            print(f"{head} {r['median_ms']:8.3f} {r['tflops']:8.1f} "
                   f"{r.get('vs_dense', float('nan')):8.2f} {r['peak_mem_gb']:8.2f} {r['first_s']:8.1f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

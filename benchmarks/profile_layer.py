@@ -214,6 +214,12 @@ def gemm_calls(p):
         "sorted wgrad dw1 xsT@dpre +=fp32": lambda: G.grouped_wgrad(p["xs"], p["pre"], p["off"], out=p["g1"],
                                                                    accumulate=True),
         "perm x -> xs (gather_rows, sorted)": lambda: gather_rows(p["x"], p["routing"], layout="sorted"),
+        # the up projection without its activation epilogue (one [S, X] output): gathered (Triton),
+        # over sorted rows by the Gluon plain kernel (TMA-fed, persistent) and by the Triton kernel
+        "abl fwd1 x[t]@w1 plain": lambda: G.grouped_gemm(p["x"], p["w1"], p["off"], gather_S=p["tok"]),
+        "abl sorted fwd1 xs@w1 plain": lambda: G.grouped_gemm(p["xs"], p["w1"], p["off"]),
+        "abl sorted fwd1 xs@w1 plain triton": _switched("MEGATRON_MOE_GLUON_GEMM", False, lambda: (
+            G.grouped_gemm(p["xs"], p["w1"], p["off"]))),
     }
 
 
