@@ -19,9 +19,10 @@ pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is fre
                        recomputed from pre in its prologue, rounded as the forward rounded it)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
   7. dx_SH[s] = dpre[s] @ w1[e]ᵀ, then the sum over k as in 3  (grouped_gemm; K = 1: scattered)
-With K = 1 and MEGATRON_MOE_SORTED_DY=1 (off by default: not yet timed in the layer), dy's rows
-are permuted once before step 5 (dy_NH = dy[t(s)], a copy of [T, H]) and steps 4 and 5 read them
-in sorted order, step 4's by TMA.
+With K = 1 and at least 2,048 rows an expert on sm_90 (kernels/switches.py's ``sorted_dy``;
+MEGATRON_MOE_SORTED_DY 1 / 0: always / never), dy's rows are permuted once before step 5 (dy_NH =
+dy[t(s)], a copy of [T, H], freed after step 4) and steps 4 and 5 read them in sorted order, step
+4's by TMA.
 With bf16 compute copies of fp32 weights (training.precision.BF16Params with gradient-accumulation
 fusion), steps 5 and 6 add their fp32 results straight into the masters' .grad in the kernels'
 epilogues and the Function returns no gradient for w1 and w2 (master_grad.fp32_grad_of).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from megatron_moe.kernels import switches
+from megatron_moe.kernels._gluon import on_sm90
 from megatron_moe.kernels.activation import ACTIVATIONS, pre_width_factor
 from megatron_moe.kernels.grouped import grouped_gemm, grouped_gemm_dact, grouped_wgrad
 from megatron_moe.kernels.metadata import Routing
@@ -99,10 +101,11 @@ class TritonGroupedMLP(torch.autograd.Function):
         dy_TH = dy_TH.to(x_TH.dtype)
         ctx.pre_consumed = True
 
-        # top-1 with the switch: dy's rows permuted into expert order once (a copy of [T, H]), so
-        # that steps 4 and 5 read sorted rows (step 4's by TMA) rather than gathering them each
+        # top-1 with 2,048+ rows an expert (switches.sorted_dy): dy's rows permuted into expert order
+        # once (a copy of [T, H]), so that steps 4 and 5 read sorted rows (step 4's by TMA) rather
+        # than gathering them each
         dy_NH, gather_dy = dy_TH, token_N
-        if K == 1 and switches.sorted_dy():
+        if K == 1 and switches.sorted_dy(token_N.shape[0], w2_EFH.shape[0], on_sm90(dy_TH)):
             dy_NH, gather_dy = dy_TH.index_select(0, token_N), None
         # 5. first: it reads pre (or wact) before step 4 overwrites pre
         if need_w2 and wact_NF is not None:

@@ -128,7 +128,7 @@ def test_grouped_mlp_bf16(case, device):
 @pytest.mark.parametrize("case", ["one_expert", "16_experts_top1", "all_to_one_expert"])
 def test_top1_backward_with_dy_sorted_once_or_gathered(case, device, monkeypatch):
     """Top-1: the backward permutes dy once and its activation backward and dw2 read sorted rows
-    (MEGATRON_MOE_SORTED_DY=1), or they gather dy's rows themselves (the default): both against
+    (MEGATRON_MOE_SORTED_DY=1), or they gather dy's rows themselves (=0): both against
     the float64 loop (check_op), and the same bits (only the rows' addresses differ)."""
     runs = []
     for on in ("1", "0"):
