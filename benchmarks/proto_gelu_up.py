@@ -28,11 +28,14 @@ plain kernel) and its epilogue moves out of their way:
 Measured on an H100 (2026-12-07, docs/performance.md, "A GELU up projection with its epilogue in warps
 of its own"): its float64 checks pass and pre and act are the same bits as the Triton kernel's, but it
 runs 0.91-0.93x that kernel: its two epilogue warps take ~18 µs a tile against the MMAs' ~10. Not wired
-into the library.
+into the library. ``staged`` (written after that run, not yet run on a GPU): act's [128, 16] parts go out
+through two 4 KB buffers of their own, so the epilogue no longer waits for pre's store to read the
+hand-off buffer before its GELU (221.5 KB of shared memory).
 Shared memory: the ring 3 x 48 KB, the hand-off buffer 64 KB: 208 KB. Registers (Triton 3.6, sm_90):
-the kernel's cap 168 (12 warps: the epilogue's two and the producer share a padded warpgroup at 96
-each), the MMA warpgroups raised to 200, 0 bytes spilled; with four epilogue warps (16 in all) the
-cap would be 128, below what ptxas needs for the 128 x 256 accumulator (154).
+the kernel's cap 168 (12 warps: the epilogue's two and the producer share a padded warpgroup at 104
+each; the GPU run above had 96, which Triton 3.9 spills 4 bytes at in the staged epilogue), the MMA
+warpgroups raised to 200, 0 bytes spilled; with four epilogue warps (16 in all) the cap would be 128,
+below what ptxas needs for the 128 x 256 accumulator (154).
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ from megatron_moe.kernels.gluon_gemm import (program_tiles, shared_layout, store
                                              tile_table, tma_producer)
 
 BM, BN, BK, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
-EPI_WARPS, EPI_REGS, PRODUCER_REGS, PART = 2, 96, 40, 16  # 4 epilogue warps would leave the MMAs 128 registers
+EPI_WARPS, EPI_REGS, PRODUCER_REGS, PART = 2, 104, 40, 16  # 4 epilogue warps would leave the MMAs 128 registers
 
 
 @gluon.jit
@@ -88,12 +91,15 @@ def _gelu(h):
 
 
 @gluon.jit
-def _epilogue(pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, hand_ready, hand_empty, act_scale_ptr, tile_row_ptr,
-              tile_end_ptr, num_m_ptr, N, stride_pm, stride_am, HAS_ACT_SCALE: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr):
-    """Each tile from the hand-off buffer: pre stored, then act = act_scale·gelu(pre) computed in place
-    PART columns at a time and stored; the buffer released. Full tiles by TMA, an expert's last tile
-    from registers, its rows masked."""
+def _epilogue(pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, stage_smem, hand_ready, hand_empty, act_scale_ptr,
+              tile_row_ptr, tile_end_ptr, num_m_ptr, N, stride_pm, stride_am, HAS_ACT_SCALE: gl.constexpr,
+              STAGED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, PART: gl.constexpr,
+              EPI_WARPS: gl.constexpr):
+    """Each tile from the hand-off buffer: pre stored, then act = act_scale·gelu(pre) computed PART
+    columns at a time and stored; the buffer released. Full tiles by TMA: STAGED, each part of act
+    through one of two small buffers of its own (act_desc's [BM, PART] box), so that nothing waits for
+    pre's store until the buffer is released; else act written over pre in the hand-off buffer once
+    pre's store has read it, then stored whole. An expert's last tile from registers, its rows masked."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (PART // 8), PART // 8], [EPI_WARPS, 1], [1, 0])
     pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BN)
     for i in range(my_tiles):
@@ -107,7 +113,8 @@ def _epilogue(pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, hand_ready, hand_
         if full:
             fence_async_shared()
             tma_store(pre_desc, [row0, n0], hand_smem)
-            tma.store_wait(0)  # read: act may overwrite it
+            if not STAGED:
+                tma.store_wait(0)  # read: act may overwrite it
         for j in gl.static_range(BN // PART):
             part = hand_smem.slice(j * PART, PART, dim=1)
             h = part.load(layout)
@@ -116,14 +123,23 @@ def _epilogue(pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, hand_ready, hand_
                 act = act * scale[:, None]
             act = act.to(gl.bfloat16)
             if full:
-                part.store(act)
+                if STAGED:
+                    tma.store_wait(1)  # all but the last part's store have read their buffers (pre's too)
+                    stage = stage_smem.index(j % 2)
+                    stage.store(act)
+                    fence_async_shared()
+                    barrier()  # every epilogue thread's share of the part written
+                    tma_store(act_desc, [row0, n0 + j * PART], stage)
+                else:
+                    part.store(act)
             else:
                 store_rows(pre_ptr, h, row0, row_end, n0 + j * PART, N, stride_pm, BM, PART, layout)
                 store_rows(act_ptr, act, row0, row_end, n0 + j * PART, N, stride_am, BM, PART, layout)
         if full:
-            fence_async_shared()
-            barrier()  # every epilogue thread's part written
-            tma_store(act_desc, [row0, n0], hand_smem)
+            if not STAGED:
+                fence_async_shared()
+                barrier()  # every epilogue thread's part written
+                tma_store(act_desc, [row0, n0], hand_smem)
             tma.store_wait(0)
         barrier()  # every epilogue thread's reads done
         mbarrier.arrive(hand_empty)
@@ -132,12 +148,16 @@ def _epilogue(pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, hand_ready, hand_
 @gluon.jit
 def _gelu_up_kernel(a_desc, w_desc, pre_desc, act_desc, pre_ptr, act_ptr, act_scale_ptr, tile_e_ptr, tile_row_ptr,
                     tile_end_ptr, num_m_ptr, K, N, stride_pm, stride_am, HAS_ACT_SCALE: gl.constexpr,
-                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NUM_BUF: gl.constexpr,
+                    STAGED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, NUM_BUF: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PART: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr,
                     PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
     hand_smem = gl.allocate_shared_memory(pre_desc.dtype, pre_desc.block_type.shape, pre_desc.layout)
+    # STAGED: act's parts through two [BM, PART] buffers (act_desc's box); else act goes through the
+    # hand-off buffer (act_desc's box is the whole tile) and these 2 x 4 KB stay unused
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, PART], gl.bfloat16)  # staged act_desc's
+    stage_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BM, PART], stage_layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     hand_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -149,16 +169,17 @@ def _gelu_up_kernel(a_desc, w_desc, pre_desc, act_desc, pre_ptr, act_ptr, act_sc
     gl.warp_specialize([
         (_consumer, (hand_smem, hand_bars.index(0), hand_bars.index(1), num_m_ptr, a_bufs, w_bufs, ready_bars,
                      empty_bars, K, N, BM, BN, BK, NUM_BUF, NUM_WARPS)),
-        (_epilogue, (pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, hand_bars.index(0), hand_bars.index(1),
-                     act_scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, N, stride_pm, stride_am, HAS_ACT_SCALE,
-                     BM, BN, PART, EPI_WARPS)),
+        (_epilogue, (pre_ptr, act_ptr, pre_desc, act_desc, hand_smem, stage_smem, hand_bars.index(0),
+                     hand_bars.index(1), act_scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr, N, stride_pm,
+                     stride_am, HAS_ACT_SCALE, STAGED, BM, BN, PART, EPI_WARPS)),
         (tma_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars,
                         K, N, BN, BK, NUM_BUF, False)),
     ], [EPI_WARPS, 1], [EPI_REGS, PRODUCER_REGS])
 
 
-def gelu_up(xs_SK, w_EKN, offsets_E1, act_scale_S=None, num_sms=132, warmup=False):
-    """(pre [S, N], act [S, N]) over the sorted rows xs_SK (bf16; rows past offsets_E1[-1] not written)."""
+def gelu_up(xs_SK, w_EKN, offsets_E1, act_scale_S=None, num_sms=132, warmup=False, staged=False):
+    """(pre [S, N], act [S, N]) over the sorted rows xs_SK (bf16; rows past offsets_E1[-1] not written);
+    ``staged``: act stored in [128, 16] parts through buffers of their own (see ``_epilogue``)."""
     S, K = xs_SK.shape
     E, _, N = w_EKN.shape
     if K % BK or N % BN or not w_EKN.is_contiguous() or xs_SK.stride(1) != 1:
@@ -170,12 +191,13 @@ def gelu_up(xs_SK, w_EKN, offsets_E1, act_scale_S=None, num_sms=132, warmup=Fals
     a_desc = TensorDescriptor(xs_SK, [S, K], [xs_SK.stride(0), 1], [BM, BK], shared_layout(BM, BK))
     w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BK, BN], shared_layout(BK, BN))
     pre_desc = TensorDescriptor(pre, [S, N], [N, 1], [BM, BN], shared_layout(BM, BN))
-    act_desc = TensorDescriptor(act, [S, N], [N, 1], [BM, BN], shared_layout(BM, BN))
+    act_box = [BM, PART] if staged else [BM, BN]
+    act_desc = TensorDescriptor(act, [S, N], [N, 1], act_box, shared_layout(*act_box))
     args = (a_desc, w_desc, pre_desc, act_desc, pre, act, act_scale_S if act_scale_S is not None else pre, tile_e,
             tile_row, tile_end, num_m, K, N, pre.stride(0), act.stride(0))
-    kw = dict(HAS_ACT_SCALE=act_scale_S is not None, BM=BM, BN=BN, BK=BK, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS,
-              PART=PART, EPI_WARPS=EPI_WARPS, EPI_REGS=EPI_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS,
-              maxnreg=maxnreg(NUM_WARPS, EPI_WARPS + 1))
+    kw = dict(HAS_ACT_SCALE=act_scale_S is not None, STAGED=staged, BM=BM, BN=BN, BK=BK, NUM_BUF=NUM_BUF,
+              NUM_WARPS=NUM_WARPS, PART=PART, EPI_WARPS=EPI_WARPS, EPI_REGS=EPI_REGS, PRODUCER_REGS=PRODUCER_REGS,
+              num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, EPI_WARPS + 1))
     if warmup:
         return _gelu_up_kernel.warmup(*args, grid=(num_sms,), **kw)
     _gelu_up_kernel[(num_sms,)](*args, **kw)
@@ -194,14 +216,15 @@ def compile_only():
     use_triton = gluon_gemm.use_triton
     gluon_gemm.use_triton = lambda *t: False  # the tile table by torch ops on the CPU
     try:
-        for scaled in (True, False):
+        for staged, scaled in ((False, True), (False, False), (True, True)):
             offsets = torch.tensor([0, 100, 100, 356], dtype=torch.int32)
             xs, w = torch.zeros(400, 192, dtype=torch.bfloat16), torch.zeros(3, 192, 512, dtype=torch.bfloat16)
-            kernel = gelu_up(xs, w, offsets, torch.zeros(400) if scaled else None, warmup=True)
+            kernel = gelu_up(xs, w, offsets, torch.zeros(400) if scaled else None, warmup=True, staged=staged)
             ptx = kernel.asm["ptx"]
             regs = sorted({line.split()[-1].rstrip(";") for line in ptx.splitlines() if "setmaxnreg" in line})
-            print(f"Triton {triton.__version__}, act_scale {scaled}: compiled for sm_90, {kernel.metadata.shared} "
-                  f"bytes of shared memory; setmaxnreg {' '.join(regs)}; ptxas: {ptxas_report(ptx)}", flush=True)
+            print(f"Triton {triton.__version__}, staged {staged}, act_scale {scaled}: compiled for sm_90, "
+                  f"{kernel.metadata.shared} bytes of shared memory; setmaxnreg {' '.join(regs)}; ptxas: "
+                  f"{ptxas_report(ptx)}", flush=True)
     finally:
         gluon_gemm.use_triton = use_triton
 
@@ -239,14 +262,15 @@ def run(do_bench):
         xs = torch.randn(S + 9, K, generator=gen).to(torch.bfloat16).to(dev)
         w = (torch.randn(len(counts), K, N, generator=gen) / K ** 0.5).to(torch.bfloat16).to(dev)
         scale = torch.rand(S + 9, generator=gen).to(dev)
-        for programs in (132, 5, 1):
-            pre, act = gelu_up(xs, w, offsets, scale, num_sms=programs)
+        for programs, staged in ((132, False), (5, False), (1, False), (132, True), (5, True), (1, True)):
+            pre, act = gelu_up(xs, w, offsets, scale, num_sms=programs, staged=staged)
             want_pre, want_act = _reference(xs, w, offsets, scale)
             ok = True
             for got, want in ((pre[:S].double(), want_pre), (act[:S].double(), want_act)):
                 bound = want.abs() * 2.0 ** -7 + 1e-3 * (want.abs().max().item() if want.numel() else 0.0)
                 ok &= bool(((got - want).abs() <= bound).all())
-            print(f"check {name}, {programs} programs: {'ok' if ok else 'FAILED'}", flush=True)
+            print(f"check {name}, {programs} programs{', staged' if staged else ''}: {'ok' if ok else 'FAILED'}",
+                  flush=True)
     H, F, E = 768, 3072, 64
     for name, T in SHAPES.items():
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
@@ -257,18 +281,20 @@ def run(do_bench):
         scale = torch.rand(T, device=dev)
         xs = gather_rows(x, r, layout="sorted")
         want_pre, want_act = grouped_gemm(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale)
-        pre, act = gelu_up(xs, w1, off, scale)
-        same = torch.equal(pre, want_pre) and torch.equal(act, want_act)
-        diff = (act.float() - want_act.float()).abs().max().item()
+        same = []
+        for staged in (False, True):
+            pre, act = gelu_up(xs, w1, off, scale, staged=staged)
+            same.append(torch.equal(pre, want_pre) and torch.equal(act, want_act))
         med = alternated(do_bench, {
             "triton gathered": lambda: grouped_gemm(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale),
             "gluon sorted": lambda: gelu_up(xs, w1, off, scale),
+            "gluon staged": lambda: gelu_up(xs, w1, off, scale, staged=True),
             "perm + gluon": lambda: gelu_up(gather_rows(x, r, layout="sorted"), w1, off, scale),
             "cutlass bare": lambda: torch._grouped_mm(xs, w1, offs=off[1:].contiguous())})
         print(f"{name:<28} Triton gathered {med['triton gathered']:.3f} ms  Gluon sorted {med['gluon sorted']:.3f} ms  "
-              f"permutation + Gluon {med['perm + gluon']:.3f} ms  CUTLASS bare {med['cutlass bare']:.3f} ms  "
-              f"{med['triton gathered'] / med['gluon sorted']:.2f}x  "
-              f"{'same bits' if same else f'bits differ (act: max {diff:.2e})'}", flush=True)
+              f"staged {med['gluon staged']:.3f} ms  permutation + Gluon {med['perm + gluon']:.3f} ms  CUTLASS bare "
+              f"{med['cutlass bare']:.3f} ms  {med['triton gathered'] / med['gluon sorted']:.2f}x / "
+              f"{med['triton gathered'] / med['gluon staged']:.2f}x  same bits as Triton: {same}", flush=True)
 
 
 def main():
