@@ -14,8 +14,8 @@ out, fp32 sums; w1 [E, K, N] contiguous, K a multiple of 64, N of 256.
 
 Why: at dmoe-small's micro-batch 128 the layer's GELU up projection (Triton, x gathered) takes 1.53 ms
 against CUTLASS's 1.10 for the bare product over sorted rows (docs/performance.md, "dmoe-small's layer at
-micro-batch 128"); kernels/gluon_gemm.py's cooperative kernel with a GELU epilogue ran slower than the
-Triton kernel (its epilogue never overlaps the MMAs), and a ping-pong one with 128 x 128 tiles per
+micro-batch 128"); kernels/gluon_gemm.py's cooperative kernel with a GELU epilogue over gathered rows
+(cp.async) ran slower than the Triton kernel (its epilogue never overlaps the MMAs), and a ping-pong one with 128 x 128 tiles per
 consumer only 1.02-1.04x (L2 bytes a FLOP). Here the 128 x 256 tile stays (two MMA warpgroups, as the
 plain kernel) and its epilogue moves out of their way:
   producer (one warp): kernels/gluon_gemm.py's ``tma_producer``: per tile, per 64-deep step, the TMA
@@ -25,12 +25,14 @@ plain kernel) and its epilogue moves out of their way:
   epilogue (two warps): pre stored from the hand-off buffer by TMA; once the store has read it,
       act computed in place, 16 columns at a time, and stored by TMA; then the buffer is released.
       An expert's last, partial tile goes out from registers, its rows masked.
-Measured on an H100 (2026-12-07, docs/performance.md, "A GELU up projection with its epilogue in warps
-of its own"): its float64 checks pass and pre and act are the same bits as the Triton kernel's, but it
-runs 0.91-0.93x that kernel: its two epilogue warps take ~18 µs a tile against the MMAs' ~10. Not wired
-into the library. ``staged`` (written after that run, not yet run on a GPU): act's [128, 16] parts go out
-through two 4 KB buffers of their own, so the epilogue no longer waits for pre's store to read the
-hand-off buffer before its GELU (221.5 KB of shared memory).
+Measured on an H100 (2026-12-07 and 12-08, docs/performance.md, "A GELU up projection with its epilogue
+in warps of its own" and "x sorted once"): its float64 checks pass and pre and act are the same bits as
+the Triton kernel's, but it runs 0.91-0.98x that kernel: its two epilogue warps take ~18 µs a tile
+against the MMAs' ~10. ``staged`` (act's [128, 16] parts through two 4 KB buffers of their own, so the
+epilogue no longer waits for pre's store before its GELU; 221.5 KB of shared memory) ran 1.01-1.02x.
+What went into the library instead is simpler: kernels/gluon_gemm.py's plain kernel with the GELU in
+its MMA warpgroups, act computed while pre's TMA store reads the buffer (1.09-1.17x the Triton kernel;
+timed here beside these as "library sorted"). This script's kernels stay out of the library.
 Shared memory: the ring 3 x 48 KB, the hand-off buffer 64 KB: 208 KB. Registers (Triton 3.6, sm_90):
 the kernel's cap 168 (12 warps: the epilogue's two and the producer share a padded warpgroup at 104
 each; the GPU run above had 96, which Triton 3.9 spills 4 bytes at in the staged epilogue), the MMA
@@ -250,6 +252,7 @@ def _reference(xs, w, offsets, scale):
 def run(do_bench):
     from proto_multicast import alternated  # a sibling script: benchmarks/ is first on the path
 
+    from megatron_moe.kernels.gluon_gemm import grouped_gemm_gluon
     from megatron_moe.kernels.grouped import grouped_gemm
     from megatron_moe.kernels.metadata import routing_metadata
     from megatron_moe.kernels.permute import gather_rows
@@ -262,14 +265,14 @@ def run(do_bench):
         xs = torch.randn(S + 9, K, generator=gen).to(torch.bfloat16).to(dev)
         w = (torch.randn(len(counts), K, N, generator=gen) / K ** 0.5).to(torch.bfloat16).to(dev)
         scale = torch.rand(S + 9, generator=gen).to(dev)
-        for programs, staged in ((132, False), (5, False), (1, False), (132, True), (5, True), (1, True)):
-            pre, act = gelu_up(xs, w, offsets, scale, num_sms=programs, staged=staged)
+        for programs, variant in [(p, v) for v in ("split", "staged") for p in (132, 5, 1)]:
+            pre, act = gelu_up(xs, w, offsets, scale, num_sms=programs, staged=variant == "staged")
             want_pre, want_act = _reference(xs, w, offsets, scale)
             ok = True
             for got, want in ((pre[:S].double(), want_pre), (act[:S].double(), want_act)):
                 bound = want.abs() * 2.0 ** -7 + 1e-3 * (want.abs().max().item() if want.numel() else 0.0)
                 ok &= bool(((got - want).abs() <= bound).all())
-            print(f"check {name}, {programs} programs{', staged' if staged else ''}: {'ok' if ok else 'FAILED'}",
+            print(f"check {name}, {programs} programs, {variant}: {'ok' if ok else 'FAILED'}",
                   flush=True)
     H, F, E = 768, 3072, 64
     for name, T in SHAPES.items():
@@ -282,19 +285,22 @@ def run(do_bench):
         xs = gather_rows(x, r, layout="sorted")
         want_pre, want_act = grouped_gemm(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale)
         same = []
-        for staged in (False, True):
-            pre, act = gelu_up(xs, w1, off, scale, staged=staged)
+        for run_it in (lambda: gelu_up(xs, w1, off, scale), lambda: gelu_up(xs, w1, off, scale, staged=True),
+                       lambda: grouped_gemm_gluon(xs, w1, off, activation="gelu", act_scale_S=scale)):
+            pre, act = run_it()
             same.append(torch.equal(pre, want_pre) and torch.equal(act, want_act))
         med = alternated(do_bench, {
             "triton gathered": lambda: grouped_gemm(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale),
             "gluon sorted": lambda: gelu_up(xs, w1, off, scale),
             "gluon staged": lambda: gelu_up(xs, w1, off, scale, staged=True),
-            "perm + gluon": lambda: gelu_up(gather_rows(x, r, layout="sorted"), w1, off, scale),
+            "library sorted": lambda: grouped_gemm_gluon(xs, w1, off, activation="gelu", act_scale_S=scale),
+            "perm + library": lambda: grouped_gemm_gluon(gather_rows(x, r, layout="sorted"), w1, off,
+                                                         activation="gelu", act_scale_S=scale),
+            "gluon plain (pre only)": lambda: grouped_gemm_gluon(xs, w1, off),
             "cutlass bare": lambda: torch._grouped_mm(xs, w1, offs=off[1:].contiguous())})
-        print(f"{name:<28} Triton gathered {med['triton gathered']:.3f} ms  Gluon sorted {med['gluon sorted']:.3f} ms  "
-              f"staged {med['gluon staged']:.3f} ms  permutation + Gluon {med['perm + gluon']:.3f} ms  CUTLASS bare "
-              f"{med['cutlass bare']:.3f} ms  {med['triton gathered'] / med['gluon sorted']:.2f}x / "
-              f"{med['triton gathered'] / med['gluon staged']:.2f}x  same bits as Triton: {same}", flush=True)
+        ref = med["triton gathered"]
+        print(f"{name:<28} " + "  ".join(f"{k} {v:.3f} ms ({ref / v:.2f}x)" for k, v in med.items())
+              + f"  same bits as Triton (split, staged, library): {same}", flush=True)
 
 
 def main():

@@ -1,10 +1,13 @@
 """The row-grouped GEMM for Hopper in Gluon: the layer's SwiGLU up projection (gather fused, the
+activation in the epilogue), a top-1 GELU up projection over x permuted once (sorted rows, the
 activation in the epilogue), its down projection and its input gradient at top-k > 1 (sorted rows);
 warp-specialised and persistent, full tiles stored by the tensor-memory unit while the next tile
 multiplies.
 
     pre_SX, wact_SF = grouped_gemm_gluon(x_TH, w1_EHX, offsets_E1, gather_S=token_S,
                                          activation="swiglu", act_scale_S=weight_S)  # up projection
+    pre_SF, wact_SF = grouped_gemm_gluon(xs_SH, w1_EHF, offsets_E1, activation="gelu",
+                                         act_scale_S=weight_S)                        # top-1 GELU, x sorted
     y_SH = grouped_gemm_gluon(wact_SF, w2_EFH, offsets_E1)                           # down, top-k > 1
     dx_SH = grouped_gemm_gluon(dpre_SX, w1_EHX.transpose(1, 2), offsets_E1)           # input gradient
 
@@ -24,7 +27,10 @@ expert's end; one Triton launch, no host read). Two kernels:
       with one asynchronous ``warpgroup_mma`` in flight. A tile whose rows are all its expert's is
       stored by TMA through shared memory, waited for only before the buffer's next use; an
       expert's last, partial tile (a TMA store would write the next expert's rows) goes through
-      the same buffer, read back so that each thread stores 16 bytes, its rows masked.
+      the same buffer, read back so that each thread stores 16 bytes, its rows masked. With GELU
+      (sorted rows, w contiguous) the tile's pre goes first; act_scale(s)·gelu(pre) of the rounded
+      pre is computed in the MMA warpgroups while that store reads the buffer, then stored through
+      it, left running under the next tile's MMAs.
   swiglu (128 activation columns a tile): four producer warps ``cp.async`` a's gathered rows
       (Hopper's TMA cannot gather rows; those past the expert's end zero-filled) and issue the TMA
       loads of w's gate columns [n, n + 128) and up columns [F + n, F + n + 128); two
@@ -35,8 +41,10 @@ Rows a tile reads past its expert's end multiply into output rows that are not s
 
 Measured on an H200 (docs/performance.md, "A Gluon down projection", "A Gluon up projection"):
 the plain kernel 1.09-1.26x the Triton kernel at the layer's down projections, the swiglu kernel
-0.96-1.07x at its up projections. GELU's epilogue in the same structure measured slower than the
-Triton kernel, and so did the top-1 scatter from the plain kernel (both stay there); the plain
+0.96-1.07x at its up projections. GELU's epilogue over gathered rows (cp.async) measured slower than
+the Triton kernel, and so did the top-1 scatter from the plain kernel (both stay there); over rows
+sorted once, the plain kernel with GELU's epilogue ran 1.09-1.17x the Triton kernel's gathered GELU
+up projection on an H100 (docs/performance.md, "x sorted once"); the plain
 kernel on the input gradient's w1ᵀ ran 0.99-1.11x the Triton kernel, and a kernel of this
 structure for the activation's backward (commit 0023104) 0.76-1.07x, so that GEMM stays in Triton.
 Takes bf16 a with 16-byte aligned rows (row stride a multiple of 16 elements), w [E, K, N]
@@ -178,11 +186,13 @@ if gluon is not None:
                 count += 1
 
     @gluon.jit
-    def _consumer(out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs, w_bufs,
-                  ready_bars, empty_bars, K, N, stride_om, BLOCK_M: gl.constexpr,
+    def _consumer(out_ptr, out_desc, out_smem, act_ptr, act_desc, act_scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
+                  a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om, stride_am, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  W_T: gl.constexpr):
-        """The MMAs (one in flight; the slot of the step before freed) and each tile's store."""
+                  W_T: gl.constexpr, GELU: gl.constexpr, HAS_ACT_SCALE: gl.constexpr):
+        """The MMAs (one in flight; the slot of the step before freed) and each tile's store; GELU:
+        then act = act_scale·gelu(the rounded tile), computed while the tile's store reads the buffer
+        and stored through it after."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
@@ -190,8 +200,8 @@ if gluon is not None:
         count = 0
         for i in range(my_tiles):
             m, n0 = tile_mn(pid + i * nprog, tiles_n, BLOCK_N)
-            row0 = gl.load(tile_row_ptr + m)
-            row_end = gl.load(tile_end_ptr + m)  # the expert's end: rows from it on are another's
+            row0, row_end, rows, act_scale = tile_head(m, tile_row_ptr, tile_end_ptr, act_scale_ptr, HAS_ACT_SCALE,
+                                                       BLOCK_M, acc_layout)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             for kk in range(k_steps):
                 slot = count % NUM_BUF
@@ -213,15 +223,26 @@ if gluon is not None:
                 out_smem.store(vals)
                 fence_async_shared()
                 tma_store(out_desc, [row0, n0], out_smem)
+                if GELU:  # act computed while pre's store reads the buffer, then stored through it
+                    act = _gelu(vals, act_scale, HAS_ACT_SCALE)
+                    tma.store_wait(0)
+                    out_smem.store(act)
+                    fence_async_shared()
+                    tma_store(act_desc, [row0, n0], out_smem)
             else:  # the expert's last tile: its rows only
                 _store_staged(out_ptr, vals, out_smem, row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N, NUM_WARPS)
+                if GELU:
+                    barrier()  # every thread's read of the buffer, before it is written again
+                    _store_staged(act_ptr, _gelu(vals, act_scale, HAS_ACT_SCALE), out_smem, row0, row_end, n0, N,
+                                  stride_am, BLOCK_M, BLOCK_N, NUM_WARPS)
         tma.store_wait(0)
 
     @gluon.jit
-    def _grouped_gemm_gluon_kernel(a_desc, w_desc, out_desc, out_ptr, tile_e_ptr, tile_row_ptr,
-                                   tile_end_ptr, num_m_ptr, K, N, stride_om,
+    def _grouped_gemm_gluon_kernel(a_desc, w_desc, out_desc, act_desc, out_ptr, act_ptr, act_scale_ptr, tile_e_ptr,
+                                   tile_row_ptr, tile_end_ptr, num_m_ptr, K, N, stride_om, stride_am,
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                                   NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, W_T: gl.constexpr):
+                                   NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, W_T: gl.constexpr,
+                                   GELU: gl.constexpr, HAS_ACT_SCALE: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -231,9 +252,9 @@ if gluon is not None:
             mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; TMA's bytes complete it
             mbarrier.init(empty_bars.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (out_ptr, out_desc, out_smem, tile_row_ptr, tile_end_ptr, num_m_ptr, a_bufs,
-                         w_bufs, ready_bars, empty_bars, K, N, stride_om, BLOCK_M, BLOCK_N, BLOCK_K,
-                         NUM_BUF, NUM_WARPS, W_T)),
+            (_consumer, (out_ptr, out_desc, out_smem, act_ptr, act_desc, act_scale_ptr, tile_row_ptr, tile_end_ptr,
+                         num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om, stride_am, BLOCK_M,
+                         BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS, W_T, GELU, HAS_ACT_SCALE)),
             (tma_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars,
                             empty_bars, K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
         ], [1], [40])
@@ -301,6 +322,16 @@ if gluon is not None:
         tanh (the Triton kernel's 16-bit path, kernels/activation.py), rounded to bf16."""
         g = gate.to(gl.float32)
         act = g * (0.5 + 0.5 * tanh_approx(0.5 * g)) * up.to(gl.float32)
+        if HAS_ACT_SCALE:
+            act = act * act_scale[:, None]
+        return act.to(gl.bfloat16)
+
+    @gluon.jit
+    def _gelu(pre, act_scale, HAS_ACT_SCALE: gl.constexpr):
+        """act_scale(s)·gelu(pre) of the rounded pre-activation (tanh's form), in fp32 with the
+        hardware's tanh (the Triton kernel's 16-bit path, kernels/activation.py), rounded to bf16."""
+        h = pre.to(gl.float32)
+        act = 0.5 * h * (1.0 + tanh_approx(0.7978845608028654 * (h + 0.044715 * h * h * h)))
         if HAS_ACT_SCALE:
             act = act * act_scale[:, None]
         return act.to(gl.bfloat16)
@@ -406,15 +437,19 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
     """Whether ``grouped_gemm`` with these arguments runs here: bf16 a and contiguous w [E, K, N],
     a bf16 result, no ``scale_S``, K a multiple of 64 and N of 16; either no gather and no
     activation (the plain kernel, which also takes w as the transposed view of a contiguous
-    [E, N, K]) or swiglu with N a multiple of 256 (the swiglu kernel); no
-    scatter; on an sm_90 GPU, Gluon available, the switch on. (GELU's epilogue and the top-1
-    scatter, both measured slower than the Triton kernel, stay there: docs/performance.md.)"""
+    [E, N, K]), or gelu without a gather (the plain kernel with GELU's epilogue), or swiglu with N
+    a multiple of 256 (the swiglu kernel); no scatter; on an sm_90 GPU, Gluon available, the switch
+    on. (GELU's epilogue over gathered rows and the top-1 scatter, both measured slower than the
+    Triton kernel, stay there: docs/performance.md.)"""
     if not (switches.gluon_gemm() and available()):
         return False
     if scale_S is not None or scatter_S is not None:
         return False
     if activation is None:  # the plain kernel
         if gather_S is not None or act_scale_S is not None:
+            return False
+    elif activation == "gelu":  # the plain kernel with GELU's epilogue: sorted rows only
+        if gather_S is not None:
             return False
     elif activation != "swiglu":
         return False
@@ -433,7 +468,7 @@ def supported(a_MK, w_EKN, offsets_E1, *, gather_S=None, scatter_S=None, scale_S
         return False
     if not (w_EKN.is_contiguous() or (activation is None and transposed_view(w_EKN))):
         return False
-    if activation is not None and N % (2 * HALF_N):  # the gate's 128-column blocks inside its half
+    if activation == "swiglu" and N % (2 * HALF_N):  # the gate's 128-column blocks inside its half
         return False
     return rows_ok(a_MK) and on_sm90(a_MK)
 
@@ -488,7 +523,9 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
         return _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S)
     S, K = a_MK.shape
     E, _, N = w_EKN.shape
+    gelu = activation == "gelu"
     out = torch.empty(S, N, device=a_MK.device, dtype=torch.bfloat16)
+    act = torch.empty_like(out) if gelu else out
     tile_e, tile_row, tile_end, num_m = tile_table(offsets_E1, S)
     a_desc = TensorDescriptor(a_MK, [S, K], [a_MK.stride(0), 1], [BLOCK_M, BLOCK_K], shared_layout(BLOCK_M, BLOCK_K))
     w_t = transposed_view(w_EKN)
@@ -497,11 +534,14 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
     else:
         w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], shared_layout(BLOCK_K, BLOCK_N))
     out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
+    act_desc = TensorDescriptor(act, [S, N], [N, 1], [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N)) if gelu \
+        else out_desc
     launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),),
-           (a_desc, w_desc, out_desc, out, tile_e, tile_row, tile_end, num_m, K, N, out.stride(0)),
+           (a_desc, w_desc, out_desc, act_desc, out, act, act_scale_S if act_scale_S is not None else out, tile_e,
+            tile_row, tile_end, num_m, K, N, out.stride(0), act.stride(0)),
            dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, W_T=w_t,
-                num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
-    return out
+                GELU=gelu, HAS_ACT_SCALE=act_scale_S is not None, num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
+    return (out, act) if gelu else out
 
 
 def _swiglu_gemm(a_MK, w_EKN, offsets_E1, gather_S, act_scale_S):

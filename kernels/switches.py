@@ -55,6 +55,12 @@
 |                         | activation backward where it has 2,048+   |                                               |
 |                         | rows an expert (``SORTED_DY_MIN_ROWS``),  |                                               |
 |                         | on sm_90                                  |                                               |
+| MEGATRON_MOE_SORTED_X   | auto: a top-1 GELU layer's forward       | 1: always; 0: never (the up projection and    |
+|                         | permutes x into expert order once for its | dw1 gather x's rows themselves)               |
+|                         | up projection (TMA-fed, kernels/          |                                               |
+|                         | gluon_gemm.py) and dw1 where it has       |                                               |
+|                         | 2,048+ rows an expert                     |                                               |
+|                         | (``SORTED_X_MIN_ROWS``), on sm_90         |                                               |
 | MEGATRON_MOE_FAST_LAUNCH | a kernel's launches after its first of  | 0: Triton's own launch every time             |
 |                         | a key call the compiled kernel directly   |                                               |
 |                         | (kernels/launcher.py)                     |                                               |
@@ -75,7 +81,7 @@ one); everything else is read at each new tuning key (the autotuners' prune func
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
 each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``, ``gluon_dact_tma``,
 ``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``,
-``fast_launch``) or at each layer step (``router_dx_add``, ``sorted_dy``) or at each new tuning
+``fast_launch``) or at each layer step (``router_dx_add``, ``sorted_dy``, ``sorted_x``) or at each new tuning
 (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
 go through :func:`getenv`, ``os.environ.get`` without its per-call encoding (a layer step reads
@@ -260,12 +266,33 @@ def sorted_dy(rows: int, experts: int, sm90: bool = True) -> bool:
     (docs/performance.md, "dy sorted once, timed"): at dmoe-small's micro-batch 128 (2,048 rows an
     expert) the two GEMMs 0.27 ms faster for a 0.14 ms copy, the layer 1.6-5% faster; at
     micro-batch 32 (512 rows an expert) dw2 over sorted rows is slower and the copy does not pay."""
-    value = getenv("MEGATRON_MOE_SORTED_DY", "auto")
+    return _by_rows("MEGATRON_MOE_SORTED_DY", SORTED_DY_MIN_ROWS, rows, experts, sm90)
+
+
+SORTED_X_MIN_ROWS = 2048
+"""MEGATRON_MOE_SORTED_X unset: x is permuted once where a top-1 GELU layer has at least this many rows an
+expert on average (docs/performance.md)."""
+
+
+def sorted_x(rows: int, experts: int, sm90: bool = True) -> bool:
+    """Whether a top-1 GELU layer's forward with ``rows`` sorted rows over ``experts`` experts permutes x
+    into expert order once (megatron_moe/ops/triton_grouped_mlp.py), so that its up projection reads
+    sorted rows by TMA (kernels/gluon_gemm.py's plain kernel with GELU's epilogue) and dw1 reads them
+    too, rather than both gathering x's rows. MEGATRON_MOE_SORTED_X "1": always; "0": never; unset or
+    "auto": where rows >= SORTED_X_MIN_ROWS * experts on an sm_90 GPU (``sm90``) (anything else:
+    ValueError)."""
+    return _by_rows("MEGATRON_MOE_SORTED_X", SORTED_X_MIN_ROWS, rows, experts, sm90)
+
+
+def _by_rows(name: str, min_rows: int, rows: int, experts: int, sm90: bool) -> bool:
+    """The switch ``name``: "1" on, "0" off; unset or "auto": on where rows >= min_rows * experts on an
+    sm_90 GPU; anything else: ValueError naming the three."""
+    value = getenv(name, "auto")
     if value not in ("auto", "1", "0"):
-        raise ValueError(f"MEGATRON_MOE_SORTED_DY={value!r}: expected auto (the default), 1 (always) or 0 (never)")
+        raise ValueError(f"{name}={value!r}: expected auto (the default), 1 (always) or 0 (never)")
     if value != "auto":
         return value == "1"
-    return sm90 and rows >= SORTED_DY_MIN_ROWS * max(experts, 1)
+    return sm90 and rows >= min_rows * max(experts, 1)
 
 
 def router_dx_add() -> bool:

@@ -19,6 +19,10 @@ pre, and wact is recomputed where dw2 reads it). Each saved [N, F] tensor is fre
                        recomputed from pre in its prologue, rounded as the forward rounded it)
   6. dw1[e] = Σ_s x[t(s)]ᵀ · dpre[s]                           (grouped_wgrad, gather on a)
   7. dx_SH[s] = dpre[s] @ w1[e]ᵀ, then the sum over k as in 3  (grouped_gemm; K = 1: scattered)
+With K = 1, GELU and at least 2,048 rows an expert on sm_90 (kernels/switches.py's ``sorted_x``;
+MEGATRON_MOE_SORTED_X 1 / 0: always / never), x's rows are permuted once before step 1 (x_NH =
+x[t(s)], a copy of [T, H], saved for step 6 in x's place) and steps 1 and 6 read them in sorted
+order, step 1's by TMA (kernels/gluon_gemm.py's plain kernel with GELU's epilogue).
 With K = 1 and at least 2,048 rows an expert on sm_90 (kernels/switches.py's ``sorted_dy``;
 MEGATRON_MOE_SORTED_DY 1 / 0: always / never), dy's rows are permuted once before step 5 (dy_NH =
 dy[t(s)], a copy of [T, H], freed after step 4) and steps 4 and 5 read them in sorted order, step
@@ -73,15 +77,22 @@ class TritonGroupedMLP(torch.autograd.Function):
                 activation, recompute_activation, expert_dx):
         # router weight per sorted position (index_select takes the int32 order as it is)
         weight_N = weights_TK.reshape(-1).index_select(0, sort_order_N).float()
-        pre_NF, wact_NF = grouped_gemm(x_TH, w1_EHF, offsets_E1, gather_S=token_N, activation=activation,
+        # top-1 GELU with 2,048+ rows an expert (switches.sorted_x): x's rows permuted into expert order
+        # once (a copy of [T, H], kept for dw1), so that step 1 reads sorted rows by TMA
+        x_NH, gather_x = x_TH, token_N
+        if top_k == 1 and activation == "gelu" and switches.sorted_x(token_N.shape[0], w1_EHF.shape[0],
+                                                                     on_sm90(x_TH)):
+            x_NH, gather_x = x_TH.index_select(0, token_N), None
+        pre_NF, wact_NF = grouped_gemm(x_NH, w1_EHF, offsets_E1, gather_S=gather_x, activation=activation,
                                        act_scale_S=weight_N)
         if top_k == 1:  # written straight into token order
             y_TH = grouped_gemm(wact_NF, w2_EFH, offsets_E1, scatter_S=sort_order_N)
         else:  # left in expert order; each token sums its k rows
             y_TH = sum_rows(grouped_gemm(wact_NF, w2_EFH, offsets_E1), sorted_row_N, top_k)
-        ctx.save_for_backward(x_TH, w1_EHF, w2_EFH, pre_NF, None if recompute_activation else wact_NF, weight_N,
+        ctx.save_for_backward(x_NH, w1_EHF, w2_EFH, pre_NF, None if recompute_activation else wact_NF, weight_N,
                               sort_order_N, sorted_row_N, token_N, offsets_E1)
         ctx.top_k, ctx.activation, ctx.weights_dtype = top_k, activation, weights_TK.dtype
+        ctx.x_sorted = gather_x is None  # x_NH holds x's rows in sorted order
         ctx.pre_consumed = False
         ctx.expert_dx = expert_dx  # ops/router_logits.py's ExpertDx, or None
         ctx.sinks = (fp32_grad_of(w1_EHF), fp32_grad_of(w2_EFH))  # master_grad.MasterGrad or None
@@ -93,12 +104,12 @@ class TritonGroupedMLP(torch.autograd.Function):
             raise RuntimeError("triton_grouped_mlp: a second backward through the same forward is not supported "
                                "(the first one overwrote the saved pre-activation to save memory); "
                                "run the forward again, or use mlp_impl='blocksparse'")
-        (x_TH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, sorted_row_N, token_N,
+        (x_NH, w1_EHF, w2_EFH, pre_NF, wact_NF, weight_N, sort_order_N, sorted_row_N, token_N,
          offsets_E1) = ctx.saved_tensors
         need_x, need_w1, need_w2, need_weights = ctx.needs_input_grad[:4]
-        T, K = x_TH.shape[0], ctx.top_k
+        T, K = dy_TH.shape[0], ctx.top_k
         dx = dw1 = dw2 = dweights = None
-        dy_TH = dy_TH.to(x_TH.dtype)
+        dy_TH = dy_TH.to(x_NH.dtype)
         ctx.pre_consumed = True
 
         # top-1 with 2,048+ rows an expert (switches.sorted_dy): dy's rows permuted into expert order
@@ -123,7 +134,8 @@ class TritonGroupedMLP(torch.autograd.Function):
         if need_weights:  # back to assignment order: assignment a sits at sorted position sorted_row[a]
             dweights = dweight_N.index_select(0, sorted_row_N).view(T, K).to(ctx.weights_dtype)
         if need_w1:  # 6.
-            dw1 = _weight_grad(ctx.sinks[0], w1_EHF.dtype, x_TH, dpre_NF, offsets_E1, gather_a_S=token_N)
+            dw1 = _weight_grad(ctx.sinks[0], w1_EHF.dtype, x_NH, dpre_NF, offsets_E1,
+                               gather_a_S=None if ctx.x_sorted else token_N)
         if need_x:  # 7.
             if K == 1:
                 dx = grouped_gemm(dpre_NF, w1_EHF.transpose(1, 2), offsets_E1, scatter_S=sort_order_N)

@@ -52,7 +52,7 @@ def compile_only() -> collections.Counter:
         ptx = kernel.asm.get("ptx")
         if ptx and len(PTX[self.fn.__name__]) < 8 and ptx not in PTX[self.fn.__name__]:
             PTX[self.fn.__name__].append(ptx)
-        for flag in ("W_TMA", "TMA_ADD", "DGELU"):  # the tensor-memory-unit variants and the GELU's pass, apart
+        for flag in ("W_TMA", "TMA_ADD", "DGELU", "GELU"):  # the tensor-memory-unit variants, the GELU's passes, apart
             if kwargs.get(flag):
                 compiled[f"{self.fn.__name__} {flag}"] += 1
         return kernel
@@ -174,13 +174,16 @@ def scenarios():
     yield ("Gluon weight gradient (gather on a, on b; bf16 new, fp32 written and added, each MEGATRON_MOE_WGRAD_ADD)",
            wgrad_gluon)
 
-    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ) and swiglu (gathered or sorted rows)
+    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ; gelu's epilogue) and swiglu (gathered or
+        # sorted rows)
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)
         offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
         token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
         grouped_gemm(a, w, offsets)
         grouped_gemm(a, w, offsets, gather_S=token, activation="swiglu", act_scale_S=weight)
         grouped_gemm(a, w, offsets, activation="swiglu")
+        grouped_gemm(a, w, offsets, activation="gelu", act_scale_S=weight)  # sorted rows (a top-1 up projection)
+        grouped_gemm(a, w, offsets, activation="gelu")
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
 

@@ -25,7 +25,8 @@ KERNELS = ["_adamw_kernel", "_chunk_scan_kernel", "_column_sum_finish_kernel", "
            "_route_bwd_kernel", "_route_fwd_kernel",
            "_route_sum_kernel", "_scatter_kernel", "_scatter_rows_kernel", "_scatter_weight_grad_kernel",
            "_sdd_kernel", "_tile_table_kernel", "_topology_kernel", "_tsd_kernel",
-           "_grouped_gemm_kernel W_TMA", "_grouped_wgrad_kernel TMA_ADD", "_column_sum_kernel DGELU"]
+           "_grouped_gemm_kernel W_TMA", "_grouped_wgrad_kernel TMA_ADD", "_column_sum_kernel DGELU",
+           "_grouped_gemm_gluon_kernel GELU"]
 
 
 @pytest.mark.slow

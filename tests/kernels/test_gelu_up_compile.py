@@ -18,8 +18,8 @@ def test_the_gelu_up_kernel_compiles_for_sm90_within_shared_memory_without_spill
     pytest.importorskip("triton.backends.nvidia")
     pytest.importorskip("triton.experimental.gluon")
     out = compile_only_output("proto_gelu_up.py")
-    lines = re.findall(r"(staged \w+, act_scale \w+): compiled for sm_90, (\d+) bytes of shared memory; .*ptxas: (.*)",
-                       out)
+    lines = re.findall(r"(staged \w+, act_scale \w+): compiled for sm_90, (\d+) bytes of shared memory; "
+                       r".*ptxas: (.*)", out)
     assert [v for v, _, _ in lines] == ["staged False, act_scale True", "staged False, act_scale False",
                                         "staged True, act_scale True"], out
     for variant, smem, ptxas in lines:

@@ -74,7 +74,8 @@ def _index(n=300):
 
 
 @pytest.mark.parametrize("case", ["plain", "plain, transposed w (the input gradient's w1ᵀ)", "swiglu",
-                                  "gather + swiglu + act_scale", "switch unset (on by default)"])
+                                  "gather + swiglu + act_scale", "gelu + act_scale, sorted rows",
+                                  "gelu, N not a multiple of 256", "switch unset (on by default)"])
 def test_supported_takes(as_if_sm90, monkeypatch, case):
     a, w, offsets = _operands()
     kw = {}
@@ -84,13 +85,19 @@ def test_supported_takes(as_if_sm90, monkeypatch, case):
         kw = dict(activation="swiglu")
     elif case == "gather + swiglu + act_scale":
         kw = dict(gather_S=_index(), activation="swiglu", act_scale_S=torch.ones(300))
+    elif case == "gelu + act_scale, sorted rows":
+        kw = dict(activation="gelu", act_scale_S=torch.ones(300))
+    elif case == "gelu, N not a multiple of 256":  # the plain kernel's columns: N a multiple of 16
+        w = w[..., :272].contiguous()
+        kw = dict(activation="gelu")
     elif case == "switch unset (on by default)":
         monkeypatch.delenv("MEGATRON_MOE_GLUON_GEMM")
     assert GG.supported(a, w, offsets, out_dtype=bf16, **kw)
 
 
 @pytest.mark.parametrize("case", ["switch off", "scale", "scatter (top-1: measured slower)",
-                                  "gather without an activation", "gelu", "swiglu and scatter",
+                                  "gather without an activation", "gelu, gathered rows", "gelu, transposed w",
+                                  "gelu and scatter", "swiglu and scatter",
                                   "act_scale without an activation", "unknown activation", "fp32", "fp32 out",
                                   "K not a multiple of 64", "N not a multiple of 16",
                                   "activation, N not a multiple of 256", "swiglu, transposed w",
@@ -107,8 +114,13 @@ def test_supported_refuses(as_if_sm90, monkeypatch, case):
         kw = dict(scatter_S=_index())
     elif case == "gather without an activation":
         kw = dict(gather_S=_index())
-    elif case == "gelu":  # its epilogue measured slower than the Triton kernel's
+    elif case == "gelu, gathered rows":  # a gathering GELU epilogue measured slower than the Triton kernel's
         kw = dict(gather_S=_index(), activation="gelu", act_scale_S=torch.ones(300))
+    elif case == "gelu, transposed w":  # the plain kernel takes wᵀ, its GELU epilogue not
+        w = torch.randn(3, 512, 192).to(bf16).transpose(1, 2)
+        kw = dict(activation="gelu")
+    elif case == "gelu and scatter":
+        kw = dict(activation="gelu", scatter_S=_index())
     elif case == "swiglu and scatter":
         kw = dict(activation="swiglu", scatter_S=_index())
     elif case == "act_scale without an activation":
@@ -188,6 +200,8 @@ VARIANTS = {  # grouped_gemm's options: gather, activation, act_scale, w as the 
     "plain, transposed w (input gradient)": (False, None, False, True),
     "gather + swiglu + act_scale (up projection)": (True, "swiglu", True, False),
     "swiglu, sorted rows": (False, "swiglu", False, False),
+    "gelu + act_scale, sorted rows (top-1 up projection)": (False, "gelu", True, False),
+    "gelu, sorted rows": (False, "gelu", False, False),
 }
 
 
@@ -233,8 +247,8 @@ def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypat
         kw["gather_S"] = torch.randint(0, 40, (S,), generator=gen).to(torch.int32).cuda()
     if activation:
         kw["activation"] = activation
-    if act_scale:
-        kw["act_scale_S"] = torch.rand(S, generator=gen).cuda()
+    if act_scale:  # a scale per row of a sorted a (its padding rows too), per gathered row otherwise
+        kw["act_scale_S"] = torch.rand(S if gather else S + 9, generator=gen).cuda()
     if S == 0 and gather:  # no rows to gather: the Triton launcher's (it launches nothing)
         assert not GG.supported(a, w, offsets, **kw)
         assert all(t.shape == (0, n) for t, n in zip(G.grouped_gemm(a, w, offsets, **kw), (N, N // 2)))
@@ -249,7 +263,7 @@ def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypat
     want = G.grouped_gemm_reference(a_cpu, w.cpu(), offsets.cpu(), out_dtype=torch.float64, **cpu)  # pre-activation
     _close(got[0][:S].cpu(), want, f"{variant}, {'pre' if activation else 'out'}")
     if activation:  # of the kernel's own rounded pre-activation (the epilogue's tanh: 2^-11)
-        scale = kw["act_scale_S"].cpu().double() if act_scale else None
+        scale = kw["act_scale_S"][:S].cpu().double() if act_scale else None
         want_act = G._activation_reference(got[0][:S].cpu().double(), activation, scale, torch.float64)
         _close(got[1][:S].cpu(), want_act, f"{variant}, act")
 

@@ -138,6 +138,39 @@ def test_top1_backward_with_dy_sorted_once_or_gathered(case, device, monkeypatch
         assert torch.equal(a.grad, b.grad)
 
 
+TOP1_GELU_CASES = {  # T, H, F, E, K, kind, activation
+    "one_expert": OP_CASES["one_expert"],
+    "all_to_one_expert": OP_CASES["all_to_one_expert"],
+    "16 experts, some empty": (37, 20, 18, 16, 1, "random", "gelu"),
+    "the Gluon kernel's shapes (H 64, F 32; sm_90)": (150, 64, 32, 4, 1, "sparse", "gelu"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOP1_GELU_CASES))
+def test_top1_gelu_forward_with_x_sorted_once_or_gathered(case, device, monkeypatch):
+    """Top-1 GELU: the forward permutes x once and the up projection and dw1 read sorted rows
+    (MEGATRON_MOE_SORTED_X=1; on sm_90 the up projection runs kernels/gluon_gemm.py's kernel, by TMA),
+    or they gather x's rows themselves (=0): both against the float64 loop (check_op), and the same
+    bits (the same products, only the rows' addresses differ)."""
+    import megatron_moe.ops.triton_grouped_mlp as op
+
+    gathers = []
+
+    def spy(*args, **kw):
+        if kw.get("activation"):
+            gathers.append(kw.get("gather_S") is not None)
+        return G.grouped_gemm(*args, **kw)
+
+    monkeypatch.setattr(op, "grouped_gemm", spy)
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("MEGATRON_MOE_SORTED_X", on)
+        runs.append(check_op(*TOP1_GELU_CASES[case], dtype=torch.bfloat16, device=device))
+    assert gathers == [False, True]
+    for a, b in zip(*runs):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("case", ["16_experts_top1", "top_k_eq_num_experts", "empty_experts_top2"])
 def test_grouped_mlp_recompute_activation(case, device):
     """Only pre saved, wact recomputed in the dw2 kernel: the same gradients against the float64

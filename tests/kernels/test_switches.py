@@ -62,20 +62,23 @@ def test_wgrad_add_takes_its_ways_and_names_the_fix_for_others(monkeypatch):
         switches.wgrad_add()
 
 
-def test_sorted_dy_on_from_2048_rows_an_expert_unless_set(monkeypatch):
-    monkeypatch.delenv("MEGATRON_MOE_SORTED_DY", raising=False)
-    rows = switches.SORTED_DY_MIN_ROWS * 64
-    assert switches.sorted_dy(rows, 64) and not switches.sorted_dy(rows - 1, 64)
-    assert not switches.sorted_dy(32768, 64)  # dmoe-small at micro-batch 32: 512 rows an expert
-    assert switches.sorted_dy(131072, 64)  # at micro-batch 128: 2,048
-    assert not switches.sorted_dy(0, 0)
-    assert not switches.sorted_dy(131072, 64, sm90=False)  # measured on sm_90 only
-    monkeypatch.setenv("MEGATRON_MOE_SORTED_DY", "auto")
-    assert switches.sorted_dy(rows, 64) and not switches.sorted_dy(rows - 1, 64)
-    monkeypatch.setenv("MEGATRON_MOE_SORTED_DY", "1")
-    assert switches.sorted_dy(1, 64) and switches.sorted_dy(1, 64, sm90=False)
-    monkeypatch.setenv("MEGATRON_MOE_SORTED_DY", "0")
-    assert not switches.sorted_dy(10 * rows, 64)
-    monkeypatch.setenv("MEGATRON_MOE_SORTED_DY", "yes")
-    with pytest.raises(ValueError, match="MEGATRON_MOE_SORTED_DY='yes': expected auto .* 1 .* or 0"):
-        switches.sorted_dy(rows, 64)
+@pytest.mark.parametrize("name", ["SORTED_DY", "SORTED_X"])
+def test_sorted_rows_on_from_2048_rows_an_expert_unless_set(monkeypatch, name):
+    var, rule = f"MEGATRON_MOE_{name}", getattr(switches, name.lower())
+    monkeypatch.delenv(var, raising=False)
+    rows = getattr(switches, f"{name}_MIN_ROWS") * 64
+    assert rows == 2048 * 64
+    assert rule(rows, 64) and not rule(rows - 1, 64)
+    assert not rule(32768, 64)  # dmoe-small at micro-batch 32: 512 rows an expert
+    assert rule(131072, 64)  # at micro-batch 128: 2,048
+    assert not rule(0, 0)
+    assert not rule(131072, 64, sm90=False)  # measured on sm_90 only
+    monkeypatch.setenv(var, "auto")
+    assert rule(rows, 64) and not rule(rows - 1, 64)
+    monkeypatch.setenv(var, "1")
+    assert rule(1, 64) and rule(1, 64, sm90=False)
+    monkeypatch.setenv(var, "0")
+    assert not rule(10 * rows, 64)
+    monkeypatch.setenv(var, "yes")
+    with pytest.raises(ValueError, match=f"{var}='yes': expected auto .* 1 .* or 0"):
+        rule(rows, 64)
