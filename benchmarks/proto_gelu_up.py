@@ -15,9 +15,9 @@ out, fp32 sums; w1 [E, K, N] contiguous, K a multiple of 64, N of 256.
 Why: at dmoe-small's micro-batch 128 the layer's GELU up projection (Triton, x gathered) takes 1.53 ms
 against CUTLASS's 1.10 for the bare product over sorted rows (docs/performance.md, "dmoe-small's layer at
 micro-batch 128"); kernels/gluon_gemm.py's cooperative kernel with a GELU epilogue over gathered rows
-(cp.async) ran slower than the Triton kernel (its epilogue never overlaps the MMAs), and a ping-pong one with 128 x 128 tiles per
-consumer only 1.02-1.04x (L2 bytes a FLOP). Here the 128 x 256 tile stays (two MMA warpgroups, as the
-plain kernel) and its epilogue moves out of their way:
+(cp.async) ran slower than the Triton kernel (its epilogue never overlaps the MMAs), and a ping-pong
+one with 128 x 128 tiles per consumer only 1.02-1.04x (L2 bytes a FLOP). Here the 128 x 256 tile
+stays (two MMA warpgroups, as the plain kernel) and its epilogue moves out of their way:
   producer (one warp): kernels/gluon_gemm.py's ``tma_producer``: per tile, per 64-deep step, the TMA
       loads of xs's [128, 64] block and w1's [64, 256] block into a ring of 3 slots;
   consumers (two warpgroups, the default partition): the MMAs (one in flight), then the tile rounded
@@ -32,7 +32,8 @@ against the MMAs' ~10. ``staged`` (act's [128, 16] parts through two 4 KB buffer
 epilogue no longer waits for pre's store before its GELU; 221.5 KB of shared memory) ran 1.01-1.02x.
 What went into the library instead is simpler: kernels/gluon_gemm.py's plain kernel with the GELU in
 its MMA warpgroups, act computed while pre's TMA store reads the buffer (1.09-1.17x the Triton kernel;
-timed here beside these as "library sorted"). This script's kernels stay out of the library.
+timed here beside these as "library sorted", with its variants that store act in 16- or 32-column
+parts, ``gluon_gemm.GELU_ACT_PART``). This script's kernels stay out of the library.
 Shared memory: the ring 3 x 48 KB, the hand-off buffer 64 KB: 208 KB. Registers (Triton 3.6, sm_90):
 the kernel's cap 168 (12 warps: the epilogue's two and the producer share a padded warpgroup at 104
 each; the GPU run above had 96, which Triton 3.9 spills 4 bytes at in the staged epilogue), the MMA
@@ -252,6 +253,7 @@ def _reference(xs, w, offsets, scale):
 def run(do_bench):
     from proto_multicast import alternated  # a sibling script: benchmarks/ is first on the path
 
+    from megatron_moe.kernels import gluon_gemm
     from megatron_moe.kernels.gluon_gemm import grouped_gemm_gluon
     from megatron_moe.kernels.grouped import grouped_gemm
     from megatron_moe.kernels.metadata import routing_metadata
@@ -285,22 +287,30 @@ def run(do_bench):
         xs = gather_rows(x, r, layout="sorted")
         want_pre, want_act = grouped_gemm(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale)
         same = []
+        def library(a, part=0):  # kernels/gluon_gemm.py's GELU epilogue, act whole or in parts of `part` columns
+            gluon_gemm.GELU_ACT_PART = part
+            try:
+                return grouped_gemm_gluon(a, w1, off, activation="gelu", act_scale_S=scale)
+            finally:
+                gluon_gemm.GELU_ACT_PART = 0
+
         for run_it in (lambda: gelu_up(xs, w1, off, scale), lambda: gelu_up(xs, w1, off, scale, staged=True),
-                       lambda: grouped_gemm_gluon(xs, w1, off, activation="gelu", act_scale_S=scale)):
+                       lambda: library(xs), lambda: library(xs, 16), lambda: library(xs, 32)):
             pre, act = run_it()
             same.append(torch.equal(pre, want_pre) and torch.equal(act, want_act))
         med = alternated(do_bench, {
             "triton gathered": lambda: grouped_gemm(x, w1, off, gather_S=tok, activation="gelu", act_scale_S=scale),
             "gluon sorted": lambda: gelu_up(xs, w1, off, scale),
             "gluon staged": lambda: gelu_up(xs, w1, off, scale, staged=True),
-            "library sorted": lambda: grouped_gemm_gluon(xs, w1, off, activation="gelu", act_scale_S=scale),
-            "perm + library": lambda: grouped_gemm_gluon(gather_rows(x, r, layout="sorted"), w1, off,
-                                                         activation="gelu", act_scale_S=scale),
+            "library sorted": lambda: library(xs),
+            "library, act in 16-column parts": lambda: library(xs, 16),
+            "library, act in 32-column parts": lambda: library(xs, 32),
+            "perm + library": lambda: library(gather_rows(x, r, layout="sorted")),
             "gluon plain (pre only)": lambda: grouped_gemm_gluon(xs, w1, off),
             "cutlass bare": lambda: torch._grouped_mm(xs, w1, offs=off[1:].contiguous())})
         ref = med["triton gathered"]
         print(f"{name:<28} " + "  ".join(f"{k} {v:.3f} ms ({ref / v:.2f}x)" for k, v in med.items())
-              + f"  same bits as Triton (split, staged, library): {same}", flush=True)
+              + f"  same bits as Triton (split, staged, library whole, 16, 32): {same}", flush=True)
 
 
 def main():

@@ -70,6 +70,10 @@ from .launcher import launch
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS = 128, 256, 64, 3, 8
 HALF_N, SWIGLU_PRODUCER_WARPS, SWIGLU_PRODUCER_REGS = 128, 4, 80  # the swiglu kernel's column blocks, producer
+# GELU's act: 0 (measured, 1.17x the Triton kernel on an H100) whole through the tile's buffer once pre's
+# store has read it; 16 or 32: in parts of that many columns through two buffers of their own, no wait for
+# pre's store (compiled for sm_90, 229.6 KB at 32; not yet run on a GPU: benchmarks/proto_gelu_up.py times it)
+GELU_ACT_PART = 0
 
 # ----------------------------------------------------------------------------------------------
 # The tile table (Triton: it runs under the interpreter too)
@@ -189,10 +193,13 @@ if gluon is not None:
     def _consumer(out_ptr, out_desc, out_smem, act_ptr, act_desc, act_scale_ptr, tile_row_ptr, tile_end_ptr, num_m_ptr,
                   a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om, stride_am, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  W_T: gl.constexpr, GELU: gl.constexpr, HAS_ACT_SCALE: gl.constexpr):
+                  W_T: gl.constexpr, GELU: gl.constexpr, HAS_ACT_SCALE: gl.constexpr, ACT_PART: gl.constexpr,
+                  stage_smem):
         """The MMAs (one in flight; the slot of the step before freed) and each tile's store; GELU:
-        then act = act_scale·gelu(the rounded tile), computed while the tile's store reads the buffer
-        and stored through it after."""
+        then act = act_scale·gelu(the rounded tile): ACT_PART 0, computed in registers while the
+        tile's store reads the buffer and stored through it after; else ACT_PART columns at a time
+        from the buffer, each part stored through one of the two ``stage_smem`` buffers, so that
+        nothing waits for the tile's store until the next tile."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         pid, nprog, tiles_n, my_tiles, _ = program_tiles(num_m_ptr, N, BLOCK_N)
@@ -223,12 +230,29 @@ if gluon is not None:
                 out_smem.store(vals)
                 fence_async_shared()
                 tma_store(out_desc, [row0, n0], out_smem)
-                if GELU:  # act computed while pre's store reads the buffer, then stored through it
-                    act = _gelu(vals, act_scale, HAS_ACT_SCALE)
-                    tma.store_wait(0)
-                    out_smem.store(act)
-                    fence_async_shared()
-                    tma_store(act_desc, [row0, n0], out_smem)
+                if GELU:
+                    if ACT_PART == 0:  # act computed while pre's store reads the buffer, then stored through it
+                        act = _gelu(vals, act_scale, HAS_ACT_SCALE)
+                        tma.store_wait(0)
+                        out_smem.store(act)
+                        fence_async_shared()
+                        tma_store(act_desc, [row0, n0], out_smem)
+                    else:  # from the buffer, a part at a time, each through a stage buffer of its own
+                        part_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ACT_PART // 8), ACT_PART // 8],
+                                                                     [NUM_WARPS, 1], [1, 0])
+                        part_rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, part_layout))
+                        part_scale = part_rows
+                        if HAS_ACT_SCALE:
+                            part_scale = gl.load(act_scale_ptr + part_rows, mask=part_rows < row_end, other=0.0)
+                        for j in gl.static_range(BLOCK_N // ACT_PART):
+                            part = _gelu(out_smem.slice(j * ACT_PART, ACT_PART, dim=1).load(part_layout), part_scale,
+                                         HAS_ACT_SCALE)
+                            if j >= 2:
+                                tma.store_wait(1)  # all but the last part's store done: this part's buffer read
+                            stage = stage_smem.index(j % 2)
+                            stage.store(part)
+                            fence_async_shared()
+                            tma_store(act_desc, [row0, n0 + j * ACT_PART], stage)
             else:  # the expert's last tile: its rows only
                 _store_staged(out_ptr, vals, out_smem, row0, row_end, n0, N, stride_om, BLOCK_M, BLOCK_N, NUM_WARPS)
                 if GELU:
@@ -242,10 +266,14 @@ if gluon is not None:
                                    tile_row_ptr, tile_end_ptr, num_m_ptr, K, N, stride_om, stride_am,
                                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                    NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, W_T: gl.constexpr,
-                                   GELU: gl.constexpr, HAS_ACT_SCALE: gl.constexpr):
+                                   GELU: gl.constexpr, HAS_ACT_SCALE: gl.constexpr, ACT_PART: gl.constexpr):
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_BUF] + w_desc.block_type.shape, w_desc.layout)
         out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        if GELU and ACT_PART > 0:  # act's parts (act_desc's box [BLOCK_M, ACT_PART])
+            stage_smem = gl.allocate_shared_memory(act_desc.dtype, [2] + act_desc.block_type.shape, act_desc.layout)
+        else:
+            stage_smem = out_smem  # unused
         ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
@@ -254,7 +282,7 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (out_ptr, out_desc, out_smem, act_ptr, act_desc, act_scale_ptr, tile_row_ptr, tile_end_ptr,
                          num_m_ptr, a_bufs, w_bufs, ready_bars, empty_bars, K, N, stride_om, stride_am, BLOCK_M,
-                         BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS, W_T, GELU, HAS_ACT_SCALE)),
+                         BLOCK_N, BLOCK_K, NUM_BUF, NUM_WARPS, W_T, GELU, HAS_ACT_SCALE, ACT_PART, stage_smem)),
             (tma_producer, (a_desc, w_desc, tile_e_ptr, tile_row_ptr, num_m_ptr, a_bufs, w_bufs, ready_bars,
                             empty_bars, K, N, BLOCK_N, BLOCK_K, NUM_BUF, W_T)),
         ], [1], [40])
@@ -534,13 +562,16 @@ def grouped_gemm_gluon(a_MK, w_EKN, offsets_E1, *, gather_S=None, activation=Non
     else:
         w_desc = TensorDescriptor(w_EKN, [E * K, N], [N, 1], [BLOCK_K, BLOCK_N], shared_layout(BLOCK_K, BLOCK_N))
     out_desc = TensorDescriptor(out, [S, N], [N, 1], [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N))
-    act_desc = TensorDescriptor(act, [S, N], [N, 1], [BLOCK_M, BLOCK_N], shared_layout(BLOCK_M, BLOCK_N)) if gelu \
-        else out_desc
+    act_desc = out_desc
+    if gelu:  # act whole through the tile's buffer, or in GELU_ACT_PART-column parts
+        box = [BLOCK_M, GELU_ACT_PART or BLOCK_N]
+        act_desc = TensorDescriptor(act, [S, N], [N, 1], box, shared_layout(*box))
     launch(_grouped_gemm_gluon_kernel, (num_sms(a_MK.device),),
            (a_desc, w_desc, out_desc, act_desc, out, act, act_scale_S if act_scale_S is not None else out, tile_e,
             tile_row, tile_end, num_m, K, N, out.stride(0), act.stride(0)),
            dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, NUM_BUF=NUM_BUF, NUM_WARPS=NUM_WARPS, W_T=w_t,
-                GELU=gelu, HAS_ACT_SCALE=act_scale_S is not None, num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
+                GELU=gelu, HAS_ACT_SCALE=act_scale_S is not None, ACT_PART=GELU_ACT_PART if gelu else 0,
+                num_warps=NUM_WARPS, maxnreg=maxnreg(NUM_WARPS, 1)))
     return (out, act) if gelu else out
 
 

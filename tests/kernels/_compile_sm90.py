@@ -184,6 +184,12 @@ def scenarios():
         grouped_gemm(a, w, offsets, activation="swiglu")
         grouped_gemm(a, w, offsets, activation="gelu", act_scale_S=weight)  # sorted rows (a top-1 up projection)
         grouped_gemm(a, w, offsets, activation="gelu")
+        from megatron_moe.kernels import gluon_gemm
+        gluon_gemm.GELU_ACT_PART = 32  # act in parts through buffers of their own
+        try:
+            grouped_gemm(a, w, offsets, activation="gelu", act_scale_S=weight)
+        finally:
+            gluon_gemm.GELU_ACT_PART = 0
         grouped_gemm(a, torch.randn(3, 256, 128, dtype=bf16).transpose(1, 2), offsets)  # w's [E, N, K] storage
     yield "Gluon row-grouped GEMM", gemm_gluon
 

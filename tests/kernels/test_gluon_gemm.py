@@ -202,6 +202,7 @@ VARIANTS = {  # grouped_gemm's options: gather, activation, act_scale, w as the 
     "swiglu, sorted rows": (False, "swiglu", False, False),
     "gelu + act_scale, sorted rows (top-1 up projection)": (False, "gelu", True, False),
     "gelu, sorted rows": (False, "gelu", False, False),
+    "gelu + act_scale, sorted rows, act in 32-column parts": (False, "gelu", True, False),
 }
 
 
@@ -230,6 +231,7 @@ def test_gluon_gemm_matches_float64_reference(case, variant, programs, monkeypat
         pytest.skip("the swiglu kernel takes N a multiple of 256 (test_supported_refuses)")
     if programs == "three":
         monkeypatch.setattr(GG, "num_sms", lambda device: 3)
+    monkeypatch.setattr(GG, "GELU_ACT_PART", 32 if "parts" in variant else 0)
     K, N, counts = CASES[case]
     gather, activation, act_scale, transposed = VARIANTS[variant]
     gen = torch.Generator().manual_seed(2)
