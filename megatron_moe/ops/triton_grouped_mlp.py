@@ -1,4 +1,5 @@
-"""Dropless expert MLP as two grouped GEMMs with the gather/scatter fused (no permuted copies).
+"""Dropless expert MLP as two grouped GEMMs with the gather/scatter fused (no permuted copies, but
+for x and dy in a top-1 layer with many rows an expert, where sorted rows pay: see below).
 
     y_TH = triton_grouped_mlp(x_TH, w1_EHF, w2_EFH, weights_TK, routing, "swiglu")
 

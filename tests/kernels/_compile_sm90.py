@@ -174,8 +174,7 @@ def scenarios():
     yield ("Gluon weight gradient (gather on a, on b; bf16 new, fp32 written and added, each MEGATRON_MOE_WGRAD_ADD)",
            wgrad_gluon)
 
-    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w or wᵀ; gelu's epilogue) and swiglu (gathered or
-        # sorted rows)
+    def gemm_gluon():  # kernels/gluon_gemm.py: plain (sorted rows; w, wᵀ, gelu) and swiglu (gathered or sorted rows)
         a, w = torch.randn(256, 128, dtype=bf16), torch.randn(3, 128, 256, dtype=bf16)
         offsets = torch.tensor([0, 100, 100, 256], dtype=torch.int32)
         token, weight = torch.zeros(256, dtype=torch.int32), torch.ones(256)
