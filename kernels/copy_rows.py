@@ -1,14 +1,17 @@
 """Row blocks copied up to counts that live on the device: the data movement of the exact-size,
 host-sync-free token exchange (``a2a_splits='symmetric'``, :mod:`megatron_moe.symmetric`).
 
-    copy_row_blocks(src, dst, counts_B, block_rows, src_row0=0, dst_row0=0)
+    copy_row_blocks(src, dst, counts_B, block_rows, src_row0=0, dst_row0=0,
+                    src_starts_B=None, dst_starts_B=None)
 
-copies, for every block b of ``counts_B`` (B blocks of ``block_rows`` rows), rows
+copies, for every block b of ``counts_B`` (B blocks of at most ``block_rows`` rows), rows
 [0, counts_B[b]) of block b from ``src`` (rows from src_row0 + b * block_rows) to ``dst`` (rows
-from dst_row0 + b * block_rows). Rows past a block's count are not touched. The counts are read by
-the kernel, never by the host, so a CUDA graph can hold the copy; the grid covers whole blocks
-and a program past its block's count returns at once. ``src`` may be a peer GPU's memory (a
-symmetric-memory buffer), which the loads then read over NVLink.
+from dst_row0 + b * block_rows). A block's first row may instead come from the device:
+``src_starts_B[b]`` / ``dst_starts_B[b]`` (added to src_row0 / dst_row0), for blocks packed one
+after another (rows sorted by destination). Rows past a block's count are not touched. The counts
+and starts are read by the kernel, never by the host, so a CUDA graph can hold the copy; the grid
+covers whole blocks and a program past its block's count returns at once. ``src`` may be a peer
+GPU's memory (a symmetric-memory buffer), which the loads then read over NVLink.
 
 Legend: B blocks, C = block_rows, H hidden (row width).
 """
@@ -41,9 +44,10 @@ def _block_h(H: int) -> int:
 
 @triton.jit
 def _copy_row_blocks_kernel(
-    src_ptr, dst_ptr, counts_ptr,
+    src_ptr, dst_ptr, counts_ptr, src_starts_ptr, dst_starts_ptr,
     block_rows, H, src_row0, dst_row0,
     stride_src, stride_dst,
+    HAS_SRC_STARTS: tl.constexpr, HAS_DST_STARTS: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     b = tl.program_id(1)
@@ -52,9 +56,16 @@ def _copy_row_blocks_kernel(
     if r0 < n:
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < n
-        row_in_block = b.to(tl.int64) * block_rows + offs_r.to(tl.int64)
-        src_rows = (src_row0 + row_in_block) * stride_src
-        dst_rows = (dst_row0 + row_in_block) * stride_dst
+        if HAS_SRC_STARTS:
+            src_first = tl.load(src_starts_ptr + b).to(tl.int64)
+        else:
+            src_first = b.to(tl.int64) * block_rows
+        if HAS_DST_STARTS:
+            dst_first = tl.load(dst_starts_ptr + b).to(tl.int64)
+        else:
+            dst_first = b.to(tl.int64) * block_rows
+        src_rows = (src_row0 + src_first + offs_r.to(tl.int64)) * stride_src
+        dst_rows = (dst_row0 + dst_first + offs_r.to(tl.int64)) * stride_dst
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask = mask_r[:, None] & (offs_h < H)[None, :]
@@ -68,27 +79,38 @@ def _copy_row_blocks_kernel(
 
 
 def copy_row_blocks(src: torch.Tensor, dst: torch.Tensor, counts_B: torch.Tensor, block_rows: int,
-                    src_row0: int = 0, dst_row0: int = 0) -> None:
+                    src_row0: int = 0, dst_row0: int = 0, src_starts_B: torch.Tensor | None = None,
+                    dst_starts_B: torch.Tensor | None = None) -> None:
     """In place into ``dst`` (see the module docstring). src, dst: 2-D, the same width and dtype,
-    rows contiguous; counts_B: int32/int64 on the same device, each in [0, block_rows]."""
+    rows contiguous; counts_B: int32/int64 on the same device, each in [0, block_rows]; starts
+    (optional, [B] on the device, not checked by the host): each block's first row, such that its
+    rows stay inside the tensor."""
     counts_B = counts_B.reshape(-1).contiguous()  # the kernel reads counts_B[b] at offset b
+    starts = [None if s is None else s.reshape(-1).contiguous() for s in (src_starts_B, dst_starts_B)]
     B = counts_B.numel()
     H = src.shape[1]
     if src.dtype != dst.dtype or dst.shape[1] != H or src.stride(1) != 1 or dst.stride(1) != 1:
         raise ValueError(f"copy_row_blocks: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
                          f"{dst.dtype} need the same width and dtype, each row contiguous")
-    if src_row0 + B * block_rows > src.shape[0] or dst_row0 + B * block_rows > dst.shape[0]:
+    for name, s in zip(("src_starts_B", "dst_starts_B"), starts):
+        if s is not None and s.numel() != B:
+            raise ValueError(f"copy_row_blocks: {name} has {s.numel()} entries, expected one per block ({B})")
+    if ((starts[0] is None and src_row0 + B * block_rows > src.shape[0])
+            or (starts[1] is None and dst_row0 + B * block_rows > dst.shape[0])):
         raise ValueError(f"copy_row_blocks: {B} blocks of {block_rows} rows from row {src_row0} / "
                          f"{dst_row0} run past src ({src.shape[0]} rows) or dst ({dst.shape[0]} rows)")
     if B == 0 or block_rows == 0 or H == 0:
         return
-    if not use_triton(src, dst, counts_B):
-        copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0, dst_row0)
+    if not use_triton(src, dst, counts_B, *[s for s in starts if s is not None]):
+        copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0, dst_row0, *starts)
         return
     grid = (cdiv(block_rows, BLOCK_R), B)
     launch(_copy_row_blocks_kernel, grid,
-           (src, dst, counts_B, block_rows, H, src_row0, dst_row0, src.stride(0), dst.stride(0)),
-           dict(BLOCK_R=BLOCK_R, BLOCK_H=_block_h(H), num_warps=4))
+           (src, dst, counts_B, counts_B if starts[0] is None else starts[0],
+            counts_B if starts[1] is None else starts[1],  # (dummy pointers where there are no starts)
+            block_rows, H, src_row0, dst_row0, src.stride(0), dst.stride(0)),
+           dict(HAS_SRC_STARTS=starts[0] is not None, HAS_DST_STARTS=starts[1] is not None,
+                BLOCK_R=BLOCK_R, BLOCK_H=_block_h(H), num_warps=4))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,9 +118,15 @@ def copy_row_blocks(src: torch.Tensor, dst: torch.Tensor, counts_B: torch.Tensor
 # ----------------------------------------------------------------------------------------------
 
 
-def copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0=0, dst_row0=0) -> None:
+def copy_row_blocks_reference(src, dst, counts_B, block_rows, src_row0=0, dst_row0=0,
+                              src_starts_B=None, dst_starts_B=None) -> None:
     B = counts_B.numel()
-    valid_BC = torch.arange(block_rows, device=counts_B.device)[None, :] < counts_B.reshape(B, 1)
-    s = src[src_row0:src_row0 + B * block_rows].reshape(B, block_rows, -1)
-    d = dst[dst_row0:dst_row0 + B * block_rows].view(B, block_rows, -1)
-    d.copy_(torch.where(valid_BC[:, :, None], s, d))
+    dev = counts_B.device
+    j_C = torch.arange(block_rows, device=dev)
+    valid_BC = j_C[None, :] < counts_B.reshape(B, 1)
+
+    def rows_BC(row0, starts_B):
+        first_B = torch.arange(B, device=dev) * block_rows if starts_B is None else starts_B.reshape(B).long()
+        return row0 + first_B[:, None] + j_C[None, :]
+
+    dst[rows_BC(dst_row0, dst_starts_B)[valid_BC]] = src[rows_BC(src_row0, src_starts_B)[valid_BC]]

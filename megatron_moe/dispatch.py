@@ -13,8 +13,9 @@ row's assignments, and return the weighted sum per row.
 
 - PaddedAllToAllDispatcher (``a2a_splits='padded'``): the same without reading the counts on
   the host: fixed worst-case blocks per peer, padding rows skipped by the experts.
-- SymmetricAllToAllDispatcher (``a2a_splits='symmetric'``): the padded blocks, but only their
-  valid rows move, read from the peers' symmetric-memory buffers up to counts on the device.
+- SymmetricAllToAllDispatcher (``a2a_splits='symmetric'``): the padded blocks on the receiver,
+  but only valid rows move, read from the peers' symmetric-memory buffers up to counts on the
+  device; the senders' rows stay sorted, written straight into (and read back from) the buffers.
 
 Host synchronisation (AllToAllDispatcher): exactly one per forward and none in the backward (it
 reuses the forward's split sizes): ``all_to_all_single`` needs the split sizes on the host, so
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from .kernels.metadata import Routing, routing_metadata
 from .ops.permute import permute_tokens, unpermute_tokens
-from .symmetric import symmetric_exchange
+from .symmetric import ExchangePlan, combine_rows, dispatch_rows
 
 
 class Dispatcher:
@@ -238,15 +239,50 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         return all_to_all(x_PCH, [C] * self.num_ranks, [C] * self.num_ranks, self.group)
 
 
-class SymmetricAllToAllDispatcher(PaddedAllToAllDispatcher):
-    """The padded dispatcher's blocks and metadata, but only each block's valid rows move: every
-    rank reads its rows out of its peers' buffers up to counts kept on the device
-    (:mod:`megatron_moe.symmetric`: PyTorch symmetric memory on one node's GPUs, shared-memory
-    files on the CPU). No host synchronisation and the exact exchange's bytes; the padded
-    blocks' activation memory stays."""
+@dataclass
+class _SymmetricContext:
+    plan: ExchangePlan
+    weights_TK: torch.Tensor
 
-    def _blocks(self, x_TH, rows):  # padding rows never move, nor are read
-        return x_TH.new_empty(rows, x_TH.shape[1])
 
-    def _exchange(self, x_PCH, n_out_P, n_in_P):
-        return symmetric_exchange(x_PCH, n_out_P, n_in_P, self.group)
+class SymmetricAllToAllDispatcher(AllToAllDispatcher):
+    """The padded dispatcher's blocks on the receiving side, but only valid rows move, and no host
+    synchronisation: every rank reads its rows out of its peers' buffers up to counts kept on the
+    device (:mod:`megatron_moe.symmetric`: PyTorch symmetric memory on one node's GPUs,
+    shared-memory files on the CPU). The token gather writes straight into the own buffer and the
+    reads back land in sorted order, so neither side builds a padded copy of its rows; the
+    receiver's padded blocks (P * N rows of expert activations) stay. One barrier per exchange."""
+
+    pads_rows = True
+
+    def dispatch(self, x_TH, expert_ids_TK, weights_TK):
+        T, K = expert_ids_TK.shape
+        P, El = self.num_ranks, self.num_local_experts
+        N = T * K
+        dev = x_TH.device
+        routing = routing_metadata(expert_ids_TK, P * El, _SORT_BLOCK)
+        send_PEl = routing.tokens_per_expert_E.long().view(P, El)
+        send_P = send_PEl.sum(1)
+        first_P = torch.cumsum(send_P, 0) - send_P
+        # to rank q: the row counts of its experts and where its rows start among this rank's
+        # sorted rows (it reads them from there); runs beside the token gather
+        meta_send_P2 = torch.cat([send_PEl, first_P[:, None]], 1).contiguous()  # [P, El + 1]
+        meta_recv_P2 = torch.empty_like(meta_send_P2)
+        work = dist.all_to_all_single(meta_recv_P2, meta_send_P2, group=self.group, async_op=True)
+        plan = ExchangePlan(routing, send_P, first_P)
+
+        def counts_arrived():  # once the own rows are written, before the barrier
+            work.wait()  # (on a GPU a stream dependency, not a host wait)
+            plan.recv_P = meta_recv_P2[:, :El].sum(1)
+            plan.start_in_P = meta_recv_P2[:, El].contiguous()
+
+        x_recv = dispatch_rows(x_TH, plan, self.group, counts_arrived)
+        # row j of peer p's block: the local expert whose cumulative count first exceeds j
+        cum_PEl = torch.cumsum(meta_recv_P2[:, :El], 1)
+        j_PN = torch.arange(N, device=dev).expand(P, N).contiguous()
+        ids_R = torch.searchsorted(cum_PEl, j_PN, right=True).reshape(-1)  # El = padding
+        ones_R1 = torch.ones(P * N, 1, device=dev, dtype=torch.float32)
+        return x_recv, ids_R[:, None], ones_R1, _SymmetricContext(plan, weights_TK)
+
+    def combine(self, y_RH, ctx: _SymmetricContext):
+        return combine_rows(y_RH, ctx.weights_TK, ctx.plan, self.group)

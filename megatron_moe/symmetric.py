@@ -1,23 +1,43 @@
 """The exact-size token exchange with no host synchronisation (``a2a_splits='symmetric'``).
 
-Every rank of the expert-parallel group holds one buffer that all the others can read: PyTorch's
+Every rank of the expert-parallel group holds buffers that all the others can read: PyTorch's
 symmetric memory on CUDA (peer memory mapped over NVLink: the ranks of one node), shared-memory
-files on the CPU (gloo; how the tests run it). An exchange of [P * C, H] row blocks, where block q
-holds the rows for rank q and only its first n_out[q] rows are valid:
+files on the CPU (gloo; how the tests run it). The dispatcher moves rows between two layouts:
 
-    1. each rank copies its valid rows into its own buffer (block q at rows q * C);
-    2. barrier: every buffer is written;
-    3. each rank reads block ``rank`` of every peer p's buffer, its first n_in[p] rows, into
-       block p of its output (rows past n_in[p] are left undefined: the experts skip them);
-    4. barrier: nobody writes its buffer again before every peer has read it.
+- sorted [N, H] on the sender: its assignments sorted by expert, hence by destination rank; the
+  rows for rank q are [first_P[q], first_P[q] + send_P[q]);
+- blocks [P * C, H] on the expert rank: block p holds, from row p * C, the recv_P[p] rows that
+  rank p sent (C = N, the most one rank can send; rows past the count are undefined and the
+  experts skip them).
+
+Each direction is one exchange: write this rank's rows into its own buffer, barrier, read from
+every peer's buffer the rows meant for this rank:
+
+    dispatch, forward (sorted -> blocks):   the token gather writes the sorted rows straight into
+        the own buffer; rank r reads peer p's rows [start_in_P[p], + recv_P[p]) (start_in_P:
+        the peers' first_P[r], sent with the counts) into its block p;
+    combine, forward (blocks -> sorted):    the experts' block rows are copied into the own
+        buffer; rank r reads block r of every peer p, send_P[p] rows, to its rows from first_P[p];
+        the weighted sum over k follows on those rows;
+    and each backward the other direction (the combine's backward writes the weighted gather of
+    dy straight into the own buffer, the dispatch's backward sums over k after its reads).
 
 The counts stay on the device (the copies are :func:`megatron_moe.kernels.copy_rows.copy_row_blocks`,
-whose programs past a block's count return at once), so a CUDA graph can hold the exchange, and
-only the valid rows move: the bytes of the exact exchange ('host'), without its host read, where
-'padded' sends whole blocks (P times the bytes). The backward is the same exchange with the
-counts swapped.
+whose programs past a block's count return at once, and whose block starts may come from the
+device), so a CUDA graph can hold the exchange, and only the valid rows move: the bytes of the
+exact exchange ('host'), without its host read, where 'padded' sends whole blocks (P times the
+bytes).
 
-Legend: P ranks of the group, C rows per block (tokens * top_k), H hidden.
+One barrier per exchange: each rank has two buffers and the four exchanges of a layer alternate
+between them (dispatch forward and combine backward write buffer 0, combine forward and dispatch
+backward buffer 1), so a forward, a backward or a whole micro-batch, in any order, never writes
+the buffer of the exchange just before it. A buffer is written again two exchanges later, when
+every peer has passed the barrier of the exchange in between and so has finished reading it.
+Where two exchanges in a row would use one buffer (a layer's backward skipped), a second barrier
+is put in first.
+
+Legend: P ranks of the group, N = T * K rows a rank sends (T tokens, top_k K), C = N rows per
+block, H hidden.
 """
 from __future__ import annotations
 
@@ -25,34 +45,50 @@ import os
 import tempfile
 import uuid
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .kernels.copy_rows import copy_row_blocks
+from .kernels.metadata import Routing
+from .kernels.permute import gather_rows, scatter_rows, scatter_rows_weight_grad
 
 
 class _Workspace:
-    """One buffer per rank, readable by every rank of ``group``; grown (collectively: every rank
-    asks for the same size, as every rank exchanges the same [P * C, H]) before use."""
+    """Two buffers per rank (one allocation, buffer 0 then buffer 1), readable by every rank of
+    ``group``; grown (collectively: every rank asks for the same size, as every rank exchanges the
+    same [P * C, H]) before use."""
 
     def __init__(self, group):
         self.group = group
         self.num_ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.nbytes = 0
-        self.buffers: list[torch.Tensor] = []  # [P] uint8, this rank's own at self.rank
+        self.nbytes = 0  # of one buffer
+        self.buffers: list[torch.Tensor] = []  # [P] uint8 of 2 * nbytes, this rank's own at self.rank
         self.handle = None  # CUDA: the rendezvous of the buffers (their barrier's signal pads)
         self._outgrown: list = []  # earlier buffers, kept: a CUDA graph captured may still read them
+        self.last = None  # the buffer the last exchange wrote (0 or 1)
 
-    def view(self, peer: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.buffers[peer][:rows * width * dtype.itemsize].view(dtype).view(rows, width)
+    def view(self, which: int, peer: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``peer``'s buffer ``which`` (0 or 1) as [rows, width]."""
+        n = rows * width * dtype.itemsize
+        return self.buffers[peer][which * self.nbytes:which * self.nbytes + n].view(dtype).view(rows, width)
 
     def reserve(self, nbytes: int, device: torch.device) -> None:
         if nbytes > self.nbytes:
             if self.buffers:
                 self._outgrown.append((self.buffers, self.handle))
-            self._allocate(nbytes, device)
+            self._allocate(2 * nbytes, device)
             self.nbytes = nbytes
+
+    def use(self, which: int) -> int:
+        """Start an exchange that writes buffer ``which``: if the exchange before wrote it too,
+        its readers may not be done; a barrier waits for them."""
+        if self.last == which:
+            self.barrier()
+        self.last = which
+        return which
 
     def barrier(self) -> None:
         raise NotImplementedError
@@ -112,7 +148,7 @@ _WORKSPACES: dict = {}
 
 def workspace(group, device: torch.device) -> _Workspace:
     """The group's workspace (one per group and device kind, shared by every layer: the
-    exchanges run one after another, each ending with a barrier)."""
+    exchanges run one after another, alternating between its two buffers)."""
     key = (id(group), device.type)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.group is not group:  # (another group at a freed one's address: start anew)
@@ -120,44 +156,124 @@ def workspace(group, device: torch.device) -> _Workspace:
     return ws
 
 
-def _exchange(ws: _Workspace, x_PCH: torch.Tensor, n_out_P: torch.Tensor, n_in_P: torch.Tensor) -> torch.Tensor:
+def _sorted_to_blocks(ws: _Workspace, which: int, write_own, N: int, H: int, dtype: torch.dtype,
+                      plan: "ExchangePlan") -> torch.Tensor:
+    """Sorted rows -> blocks. ``write_own(view)`` fills this rank's [N, H] sorted rows into its own
+    buffer ``which`` (and may complete ``plan``); returns [P * N, H]: block p holds rows
+    [plan.start_in_P[p], + plan.recv_P[p]) of rank p's sorted rows (the rest undefined)."""
     from .dispatch import ExchangeTimer  # (dispatch imports this module)
 
-    ev = ExchangeTimer.start(x_PCH.device)
-    P, (rows, H) = ws.num_ranks, x_PCH.shape
-    C = rows // P
-    ws.reserve(rows * H * x_PCH.element_size(), x_PCH.device)
-    x_PCH = x_PCH.contiguous()
-    copy_row_blocks(x_PCH, ws.view(ws.rank, rows, H, x_PCH.dtype), n_out_P, C)
+    dev = plan.send_P.device
+    P = ws.num_ranks
+    ws.reserve(P * N * H * dtype.itemsize, dev)
+    write_own(ws.view(which, ws.rank, N, H, dtype))
+    recv_P, start_in_P = plan.recv_P, plan.start_in_P
+    ev = ExchangeTimer.start(dev)  # (the gather above is the layer's own work, not the exchange's)
     ws.barrier()
-    out_PCH = torch.empty_like(x_PCH)
+    out_PNH = torch.empty(P * N, H, dtype=dtype, device=dev)
     # rank r reads its own buffer, then r + 1, r + 2, ... (mod P): at every stage each buffer has
     # one reader, where reading the peers in the same order on every rank has P - 1 ranks read
     # rank 0's buffer at once, then rank 1's, sharing one GPU's links between them
     for p in [(ws.rank + i) % P for i in range(P)]:
-        copy_row_blocks(ws.view(p, rows, H, x_PCH.dtype), out_PCH, n_in_P[p:p + 1], C,
-                        src_row0=ws.rank * C, dst_row0=p * C)
-    ws.barrier()
+        copy_row_blocks(ws.view(which, p, N, H, dtype), out_PNH, recv_P[p:p + 1], N,
+                        src_starts_B=start_in_P[p:p + 1], dst_row0=p * N)
     ExchangeTimer.stop(ev)
-    return out_PCH
+    return out_PNH
 
 
-class _SymmetricExchange(torch.autograd.Function):
+def _blocks_to_sorted(ws: _Workspace, which: int, x_PNH: torch.Tensor, recv_P: torch.Tensor,
+                      send_P: torch.Tensor, first_P: torch.Tensor) -> torch.Tensor:
+    """Blocks -> sorted rows: the reverse of :func:`_sorted_to_blocks`. Rows [0, recv_P[p]) of
+    block p go back to rank p; returns [N, H]: rows [first_P[p], + send_P[p]) from block ``rank``
+    of rank p (every row written: the send_P sum to N)."""
+    from .dispatch import ExchangeTimer
+
+    ev = ExchangeTimer.start(x_PNH.device)
+    P, (rows, H) = ws.num_ranks, x_PNH.shape
+    N = rows // P
+    ws.reserve(rows * H * x_PNH.element_size(), x_PNH.device)
+    x_PNH = x_PNH.contiguous()
+    copy_row_blocks(x_PNH, ws.view(which, ws.rank, rows, H, x_PNH.dtype), recv_P, N)
+    ws.barrier()
+    out_NH = x_PNH.new_empty(N, H)
+    for p in [(ws.rank + i) % P for i in range(P)]:  # rotated, as above
+        copy_row_blocks(ws.view(which, p, rows, H, x_PNH.dtype), out_NH, send_P[p:p + 1], N,
+                        src_row0=ws.rank * N, dst_starts_B=first_P[p:p + 1])
+    ExchangeTimer.stop(ev)
+    return out_NH
+
+
+@dataclass
+class ExchangePlan:
+    """Where one layer's rows go (all on the device). Built by the dispatcher from the routing
+    and the count exchange; serves the dispatch, the combine and both backwards."""
+
+    routing: Routing  # this rank's assignments sorted by global expert = by destination rank
+    send_P: torch.Tensor  # rows this rank sends each rank
+    first_P: torch.Tensor  # where they start in its sorted rows (exclusive cumsum of send_P)
+    recv_P: torch.Tensor | None = None  # rows each rank sends this one
+    start_in_P: torch.Tensor | None = None  # where they start in that rank's sorted rows
+
+
+class _Dispatch(torch.autograd.Function):
+    """x_TH -> blocks [P * N, H] (the token gather written straight into the own buffer)."""
+
     @staticmethod
-    def forward(ctx, x_PCH, n_out_P, n_in_P, ws):
-        ctx.ws = ws
-        ctx.save_for_backward(n_out_P, n_in_P)
-        return _exchange(ws, x_PCH, n_out_P, n_in_P)
+    def forward(ctx, x_TH, plan, ws, counts_arrived):
+        ctx.plan, ctx.ws = plan, ws
+        N = plan.routing.num_assignments
+
+        def write_own(own_NH):
+            gather_rows(x_TH, plan.routing, out=own_NH, layout="sorted")
+            if counts_arrived is not None:  # the count exchange ran beside the gather
+                counts_arrived()
+
+        return _sorted_to_blocks(ws, ws.use(0), write_own, N, x_TH.shape[1], x_TH.dtype, plan)
 
     @staticmethod
-    def backward(ctx, grad_PCH):
-        n_out_P, n_in_P = ctx.saved_tensors
-        return _exchange(ctx.ws, grad_PCH, n_in_P, n_out_P), None, None, None
+    def backward(ctx, dx_PNH):
+        plan = ctx.plan
+        dx_NH = _blocks_to_sorted(ctx.ws, ctx.ws.use(1), dx_PNH, plan.recv_P, plan.send_P, plan.first_P)
+        return scatter_rows(dx_NH, None, plan.routing, layout="sorted"), None, None, None
 
 
-def symmetric_exchange(x_PCH: torch.Tensor, n_out_P: torch.Tensor, n_in_P: torch.Tensor, group) -> torch.Tensor:
-    """[P * C, H] blocks -> [P * C, H] blocks: rows [0, n_out_P[q]) of block q go to rank q, block p
-    of the result holds rows [0, n_in_P[p]) from rank p (the rest undefined). Counts on the
-    device; autograd runs the reverse exchange (the input gradient's rows past n_out_P are
-    undefined too: the dispatchers read neither)."""
-    return _SymmetricExchange.apply(x_PCH, n_out_P, n_in_P, workspace(group, x_PCH.device))
+class _Combine(torch.autograd.Function):
+    """Blocks [P * N, H] -> y_TH: each token's K rows back, weighted and summed (fp32, one rounding)."""
+
+    @staticmethod
+    def forward(ctx, y_PNH, weights_TK, plan, ws):
+        ctx.plan, ctx.ws = plan, ws
+        y_NH = _blocks_to_sorted(ws, ws.use(1), y_PNH, plan.recv_P, plan.send_P, plan.first_P)
+        ctx.save_for_backward(y_NH, weights_TK)
+        return scatter_rows(y_NH, weights_TK, plan.routing, layout="sorted")
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        y_NH, weights_TK = ctx.saved_tensors
+        plan, ws = ctx.plan, ctx.ws
+        dy_TH = dy_TH.to(y_NH.dtype).contiguous()
+        dweights = None
+        if ctx.needs_input_grad[1]:
+            dweights = scatter_rows_weight_grad(dy_TH, y_NH, plan.routing, layout="sorted").to(weights_TK.dtype)
+
+        def write_own(own_NH):
+            gather_rows(dy_TH, plan.routing, weights_TK, out=own_NH, layout="sorted")
+
+        dy_PNH = _sorted_to_blocks(ws, ws.use(0), write_own, y_NH.shape[0], y_NH.shape[1], y_NH.dtype, plan)
+        return dy_PNH, dweights, None, None
+
+
+def dispatch_rows(x_TH: torch.Tensor, plan: ExchangePlan, group, counts_arrived=None) -> torch.Tensor:
+    """[T, H] tokens -> [P * N, H] blocks: block p holds, in order, the plan.recv_P[p] rows rank p
+    sends this rank (rows past it undefined). ``counts_arrived()``, if given, is called once the
+    own rows are written, before the barrier: it completes ``plan`` (its recv_P and start_in_P)
+    from a count exchange that ran beside the gather. Autograd runs the reverse exchange, then
+    the sum over k."""
+    return _Dispatch.apply(x_TH, plan, workspace(group, x_TH.device), counts_arrived)
+
+
+def combine_rows(y_PNH: torch.Tensor, weights_TK: torch.Tensor, plan: ExchangePlan, group) -> torch.Tensor:
+    """[P * N, H] blocks (as :func:`dispatch_rows` returned them, computed) -> [T, H]: every row back
+    to its sender, each token's K rows weighted by ``weights_TK`` and summed. Rows past the
+    counts are never read."""
+    return _Combine.apply(y_PNH, weights_TK, plan, workspace(group, y_PNH.device))

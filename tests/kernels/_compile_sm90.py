@@ -215,12 +215,15 @@ def scenarios():
         unpermute_tokens(permute_tokens(x, routing), w, routing).sum().backward()
     yield "expert-parallel permutation", permutation
 
-    def row_blocks():  # the symmetric exchange's copies: bf16 and fp32 rows, int64 counts
-        from megatron_moe.kernels.copy_rows import copy_row_blocks
+    def row_blocks():  # the symmetric exchange's copies: bf16 and fp32 rows, int64 counts, block
+        from megatron_moe.kernels.copy_rows import copy_row_blocks  # starts from the device on either side
 
         for dtype in (bf16, torch.float32):
             src, dst = torch.randn(3 * 40, 768, dtype=dtype), torch.empty(3 * 40, 768, dtype=dtype)
             copy_row_blocks(src, dst, torch.tensor([40, 0, 7]), 40)
+        counts, starts = torch.tensor([7]), torch.tensor([33])
+        copy_row_blocks(src, dst, counts, 40, src_starts_B=starts, dst_row0=40)
+        copy_row_blocks(src, dst, counts, 40, src_row0=40, dst_starts_B=starts)
     yield "symmetric exchange row copies", row_blocks
 
     def cross_entropy():

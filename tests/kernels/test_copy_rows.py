@@ -1,7 +1,8 @@
 """copy_row_blocks (the symmetric exchange's data movement) against a per-row Python loop:
 counts read on the device, empty and full blocks, block sizes not a multiple of the kernel's row
 tile, widths not a multiple of its column tile, row offsets, bf16 and fp32, int32 and int64
-counts, counts that are a strided view; rows past each count are never written."""
+counts, counts that are a strided view, blocks whose first rows come from the device (packed one
+after another on either side); rows past each count are never written."""
 import pytest
 import torch
 
@@ -44,6 +45,41 @@ def test_copy_row_blocks_equals_a_row_loop(C, H, counts, offsets, dtype, count_d
     assert torch.equal(ref.cpu(), want)
 
 
+def _loop_starts(src, dst, counts, src_first, dst_first):
+    out = dst.clone()
+    for n, s0, d0 in zip(counts.tolist(), src_first, dst_first):
+        for i in range(n):
+            out[d0 + i] = src[s0 + i]
+    return out
+
+
+@pytest.mark.parametrize("side", ["src", "dst", "both"])
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
+def test_blocks_packed_one_after_another(side, count_dtype):
+    """Rows sorted by destination (the exchange's send side): block b starts where block b - 1's
+    valid rows end; on the other side whole blocks of C rows. Counts 0, C, and partial; C = 21 is
+    not a multiple of the row tile."""
+    dev = _device()
+    C, H, row0 = 21, 19, 2
+    counts = torch.tensor([5, 0, 21, 17, 1], dtype=count_dtype)
+    packed = (torch.cumsum(counts, 0) - counts).to(count_dtype)
+    B = counts.numel()
+    blocks = [b * C for b in range(B)]
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(row0 + B * C + 4, H, generator=g).to(dev)
+    dst = torch.full((row0 + B * C + 4, H), -7.0, device=dev)
+    src_first = [row0 + int(v) for v in packed] if side in ("src", "both") else [row0 + b for b in blocks]
+    dst_first = [row0 + int(v) for v in packed] if side in ("dst", "both") else [row0 + b for b in blocks]
+    want = _loop_starts(src.cpu(), dst.cpu(), counts, src_first, dst_first)
+    starts = dict(src_starts_B=packed.to(dev) if side in ("src", "both") else None,
+                  dst_starts_B=packed.to(dev) if side in ("dst", "both") else None)
+    copy_row_blocks(src, dst, counts.to(dev), C, src_row0=row0, dst_row0=row0, **starts)
+    assert torch.equal(dst.cpu(), want)
+    ref = torch.full_like(dst, -7.0)
+    copy_row_blocks_reference(src, ref, counts.to(dev), C, row0, row0, starts["src_starts_B"], starts["dst_starts_B"])
+    assert torch.equal(ref.cpu(), want)
+
+
 def test_counts_from_a_strided_view():
     """The exchange passes the last column of a cumulative count matrix: a view with stride El."""
     dev = _device()
@@ -63,3 +99,5 @@ def test_bad_shapes_are_refused_in_one_line():
         copy_row_blocks(src, dst.double(), torch.tensor([1]), 4)
     with pytest.raises(ValueError, match=r"2 blocks of 4 rows from row 1 / 0 run past src \(8 rows\)"):
         copy_row_blocks(src, dst, torch.tensor([1, 1]), 4, src_row0=1)
+    with pytest.raises(ValueError, match="dst_starts_B has 1 entries, expected one per block \\(2\\)"):
+        copy_row_blocks(src, dst, torch.tensor([1, 1]), 4, dst_starts_B=torch.tensor([0]))

@@ -2,10 +2,12 @@
 
     python tests/layer/_exchange_worker.py OUT_DIR   (with RANK, WORLD_SIZE, MASTER_ADDR/PORT set)
 
-Runs the symmetric exchange (its CPU stand-in: shared-memory files) on float64 row blocks at
-three sizes, the second larger than the first (the buffers grow) and the third smaller again,
-with random valid counts per block (0 and full included), forward and backward; saves the
-inputs, counts, outputs and input gradients for the test to check against a plain gather.
+Runs the symmetric dispatcher (its CPU stand-in: shared-memory files) on float64 tokens through
+five steps of different sizes and routings (the buffers grow, then serve smaller sizes): dispatch,
+a stand-in expert that scales each row by its global expert id + 1, combine, and (in three of
+them) the backward; one step with no backward at all, and one whose input needs no gradient, so
+that the dispatch's backward is skipped and the next exchange writes the buffer of the one before
+it. Saves every input and output, and the number of barriers the workspace ran, for the test.
 """
 import os
 import sys
@@ -13,28 +15,55 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_moe.symmetric import symmetric_exchange
+from megatron_moe.dispatch import SymmetricAllToAllDispatcher
+from megatron_moe.symmetric import workspace
 
-H = 5
+H, EL = 5, 2  # hidden, experts per rank
+# (tokens, top_k, routing, what runs): "train" forward and backward, "eval" forward only,
+# "frozen_input" backward with x needing no gradient (the dispatch's backward never runs)
+STEPS = [(4, 1, "random", "train"), (9, 2, "all_to_rank0", "train"), (3, None, "every_expert", "eval"),
+         (5, 2, "rank1_empty", "frozen_input"), (4, 1, "random", "train")]
+
+
+def expert_ids(T, K, kind, P, g):
+    E = P * EL
+    if kind == "every_expert":  # top_k = num_experts
+        return torch.stack([torch.randperm(E, generator=g) for _ in range(T)])
+    pool = {"random": range(E), "all_to_rank0": range(EL), "rank1_empty": [e for e in range(E) if e // EL != 1]}[kind]
+    pool = torch.tensor(list(pool))
+    return torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)])
 
 
 def main():
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
+    disp = SymmetricAllToAllDispatcher(dist.group.WORLD, P * EL)
+    ws = workspace(dist.group.WORLD, torch.device("cpu"))
+    barriers = [0]
+    own_barrier = ws.barrier
+
+    def counted_barrier():
+        barriers[0] += 1
+        own_barrier()
+
+    ws.barrier = counted_barrier
     results = []
-    for step, C in enumerate((4, 9, 3)):
+    for step, (T, K, kind, mode) in enumerate(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
-        n_out = torch.randint(0, C + 1, (P,), generator=g)
-        n_out[rank % P] = C if step == 0 else n_out[rank % P]  # a full block
-        n_out[(rank + 1) % P] = 0 if step == 1 else n_out[(rank + 1) % P]  # an empty one
-        n_in = torch.empty_like(n_out)
-        dist.all_to_all_single(n_in, n_out)
-        x = torch.randn(P * C, H, generator=g, dtype=torch.float64).requires_grad_(True)
-        y = symmetric_exchange(x, n_out, n_in, dist.group.WORLD)
-        dy = torch.randn(P * C, H, generator=g, dtype=torch.float64)
-        (y * dy).sum().backward()
-        results.append(dict(C=C, x=x.detach(), n_out=n_out, n_in=n_in, y=y.detach(), dy=dy, dx=x.grad))
+        ids_TK = expert_ids(T, K, kind, P, g)
+        K = ids_TK.shape[1]
+        x = torch.randn(T, H, generator=g, dtype=torch.float64).requires_grad_(mode == "train")
+        w = torch.rand(T, K, generator=g, dtype=torch.float64).requires_grad_(mode != "eval")
+        with torch.set_grad_enabled(mode != "eval"):
+            x_R, local_R1, ones_R1, ctx = disp.dispatch(x, ids_TK, w)
+            scale_R1 = (local_R1 + rank * EL + 1).to(x_R.dtype)  # padding rows: never read back
+            y = disp.combine(x_R * scale_R1 * ones_R1, ctx)
+        dy = torch.randn(T, H, generator=g, dtype=torch.float64)
+        if mode != "eval":
+            (y * dy).sum().backward()
+        results.append(dict(mode=mode, x=x.detach(), ids=ids_TK, w=w.detach(), x_R=x_R.detach(), local=local_R1[:, 0],
+                            y=y.detach(), dy=dy, dx=x.grad, dw=w.grad, barriers=barriers[0]))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # every rank done with the group before any tears it down (a gloo teardown aborted once)
     dist.destroy_process_group()
