@@ -13,7 +13,8 @@
 # "name:config:gpus:ep[:overrides]" separated by spaces, started together on the GPUs listed
 # (ep = expert_parallel_size, 0 = dense; overrides comma-separated, e.g.
 # "dmoe-small-ep4-padded:dmoe-small:0,1,2,3:4:model.moe.a2a_splits=padded"; "mb=32" sets that
-# run's micro-batch instead of MB). A name is
+# run's micro-batch instead of MB; an upper-case NAME=value, e.g. MEGATRON_MOE_PEER_READS=per_peer,
+# is set in that run's environment). A name is
 # CONFIG-epN or CONFIG-dpN (N the GPUs), optionally followed by variant words (-padded,
 # -sigmoid-padded); scaling is against the same CONFIG on the fewest GPUs whose variant words
 # are among the run's (dmoe-small-ep4-sigmoid-padded against dmoe-small-ep1-sigmoid). Waves are
@@ -49,8 +50,12 @@ run_one() {  # name config gpus ep [overrides]
   local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb extra
   n=$(tr ',' '\n' <<< "$gpus" | wc -l)
   split_overrides "$own" "$MB"  # mb=N: this run's micro-batch (global = N x ACC x GPUs)
+  local envs=(CUDA_VISIBLE_DEVICES="$gpus") o rest=()
+  for o in "${extra[@]}"; do  # NAME=value in upper case: an environment variable (a kernel switch)
+    if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o"); else rest+=("$o"); fi
+  done
+  extra=("${rest[@]}")
   [[ $ep -gt 0 ]] && extra=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-} "${extra[@]}")
-  local envs=(CUDA_VISIBLE_DEVICES="$gpus")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   # no run outlives DEADLINE, so the table below is printed within it (a run it cuts keeps its rows)
   local limit=$(( DEADLINE - (SECONDS - START) )); (( limit > ${RUN_TIMEOUT:-240} )) && limit=${RUN_TIMEOUT:-240}

@@ -70,6 +70,9 @@
 | MEGATRON_MOE_ROUTER_DX_ADD | the router's dL/dx is added into the   | 0: autograd adds the two (one more pass)      |
 |                         | experts' dL/dx of the same input by the   |                                               |
 |                         | router's backward kernel (local experts)  |                                               |
+| MEGATRON_MOE_PEER_READS | one_launch: the symmetric exchange reads  | per_peer: one launch per peer buffer, one     |
+|                         | every peer's buffer in one persistent     | program per row tile (the form measured on    |
+|                         | launch (kernels/copy_rows.py)             | 2026-11-28)                                   |
 
 MEGATRON_MOE_AUTOTUNE=0 also makes an accumulating weight gradient take its TMA reduce-add
 config where one can run.
@@ -81,8 +84,8 @@ one); everything else is read at each new tuning key (the autotuners' prune func
 block-sparse kernels' MEGATRON_MOE_AUTOTUNE, the weight gradient's MEGATRON_MOE_TMA_ADD) or at
 each launch (``tma_add_ok``, ``w_tma_ok``, ``gluon_wgrad``, ``wgrad_add``, ``gluon_gemm``, ``gluon_dact_tma``,
 ``fused_router``, ``router_gemm``, ``fused_norm``, ``bias_grad_kernel``, ``fused_gelu``,
-``fast_launch``) or at each layer step (``router_dx_add``, ``sorted_dy``, ``sorted_x``) or at each new tuning
-(``compile_workers``), so a test may set those after import. A choice already tuned for a key
+``fast_launch``) or at each layer step (``router_dx_add``, ``sorted_dy``, ``sorted_x``, ``peer_reads``)
+or at each new tuning (``compile_workers``), so a test may set those after import. A choice already tuned for a key
 stays until the tuning cache is cleared (``grouped.clear_tuning_cache``). The per-launch reads
 go through :func:`getenv`, ``os.environ.get`` without its per-call encoding (a layer step reads
 ~40 switches; ``os.environ.get`` cost 1.5 µs of host time each on an H200 machine).
@@ -293,6 +296,17 @@ def _by_rows(name: str, min_rows: int, rows: int, experts: int, sm90: bool) -> b
     if value != "auto":
         return value == "1"
     return sm90 and rows >= min_rows * max(experts, 1)
+
+
+def peer_reads() -> str:
+    """MEGATRON_MOE_PEER_READS: how the symmetric exchange (megatron_moe/symmetric.py) reads its peers'
+    buffers. "one_launch" (the default): one persistent launch over every peer, each rank starting at
+    its own buffer; "per_peer": one launch per peer, one program per row tile (as measured on
+    2026-11-28); anything else: ValueError."""
+    value = getenv("MEGATRON_MOE_PEER_READS", "one_launch")
+    if value not in ("one_launch", "per_peer"):
+        raise ValueError(f"MEGATRON_MOE_PEER_READS={value!r}: expected one_launch (the default) or per_peer")
+    return value
 
 
 def router_dx_add() -> bool:

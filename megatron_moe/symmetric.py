@@ -23,10 +23,10 @@ every peer's buffer the rows meant for this rank:
     dy straight into the own buffer, the dispatch's backward sums over k after its reads).
 
 The counts stay on the device (the copies are :func:`megatron_moe.kernels.copy_rows.copy_row_blocks`,
-whose programs past a block's count return at once, and whose block starts may come from the
-device), so a CUDA graph can hold the exchange, and only the valid rows move: the bytes of the
-exact exchange ('host'), without its host read, where 'padded' sends whole blocks (P times the
-bytes).
+which reads counts, block starts and the buffers' addresses from the device: one launch reads
+every peer's buffer), so a CUDA graph can hold the exchange, and only the valid rows move: the
+bytes of the exact exchange ('host'), without its host read, where 'padded' sends whole blocks
+(P times the bytes).
 
 One barrier per exchange: each rank has two buffers and the four exchanges of a layer alternate
 between them (dispatch forward and combine backward write buffer 0, combine forward and dispatch
@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .kernels import switches
+from .kernels._common import use_triton
 from .kernels.copy_rows import copy_row_blocks
 from .kernels.metadata import Routing
 from .kernels.permute import gather_rows, scatter_rows, scatter_rows_weight_grad
@@ -69,6 +71,7 @@ class _Workspace:
         self.handle = None  # CUDA: the rendezvous of the buffers (their barrier's signal pads)
         self._outgrown: list = []  # earlier buffers, kept: a CUDA graph captured may still read them
         self.last = None  # the buffer the last exchange wrote (0 or 1)
+        self.ptrs: list[torch.Tensor] = []  # per buffer (0, 1): int64 [P] on the device, every rank's address
 
     def view(self, which: int, peer: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank ``peer``'s buffer ``which`` (0 or 1) as [rows, width]."""
@@ -78,9 +81,14 @@ class _Workspace:
     def reserve(self, nbytes: int, device: torch.device) -> None:
         if nbytes > self.nbytes:
             if self.buffers:
-                self._outgrown.append((self.buffers, self.handle))
+                self._outgrown.append((self.buffers, self.handle, self.ptrs))
+            nbytes = -(-nbytes // 256) * 256  # buffer 1 as aligned as buffer 0
             self._allocate(2 * nbytes, device)
             self.nbytes = nbytes
+            addrs = [[b.data_ptr() + which * nbytes for b in self.buffers] for which in (0, 1)]
+            if any(a % 16 for a in addrs[0]):  # (the row copy's vector loads take them as 16-byte aligned)
+                raise RuntimeError(f"model.moe.a2a_splits=symmetric: a buffer is not 16-byte aligned ({addrs[0]})")
+            self.ptrs = [torch.tensor(a, dtype=torch.int64, device=device) for a in addrs]
 
     def use(self, which: int) -> int:
         """Start an exchange that writes buffer ``which``: if the exchange before wrote it too,
@@ -167,16 +175,10 @@ def _sorted_to_blocks(ws: _Workspace, which: int, write_own, N: int, H: int, dty
     P = ws.num_ranks
     ws.reserve(P * N * H * dtype.itemsize, dev)
     write_own(ws.view(which, ws.rank, N, H, dtype))
-    recv_P, start_in_P = plan.recv_P, plan.start_in_P
     ev = ExchangeTimer.start(dev)  # (the gather above is the layer's own work, not the exchange's)
     ws.barrier()
     out_PNH = torch.empty(P * N, H, dtype=dtype, device=dev)
-    # rank r reads its own buffer, then r + 1, r + 2, ... (mod P): at every stage each buffer has
-    # one reader, where reading the peers in the same order on every rank has P - 1 ranks read
-    # rank 0's buffer at once, then rank 1's, sharing one GPU's links between them
-    for p in [(ws.rank + i) % P for i in range(P)]:
-        copy_row_blocks(ws.view(which, p, N, H, dtype), out_PNH, recv_P[p:p + 1], N,
-                        src_starts_B=start_in_P[p:p + 1], dst_row0=p * N)
+    _read_peers(ws, which, N, out_PNH, plan.recv_P, N, src_starts_P=plan.start_in_P)
     ExchangeTimer.stop(ev)
     return out_PNH
 
@@ -193,14 +195,36 @@ def _blocks_to_sorted(ws: _Workspace, which: int, x_PNH: torch.Tensor, recv_P: t
     N = rows // P
     ws.reserve(rows * H * x_PNH.element_size(), x_PNH.device)
     x_PNH = x_PNH.contiguous()
-    copy_row_blocks(x_PNH, ws.view(which, ws.rank, rows, H, x_PNH.dtype), recv_P, N)
+    copy_row_blocks(x_PNH, ws.view(which, ws.rank, rows, H, x_PNH.dtype), recv_P, N,
+                    persistent=switches.peer_reads() == "one_launch")
     ws.barrier()
     out_NH = x_PNH.new_empty(N, H)
-    for p in [(ws.rank + i) % P for i in range(P)]:  # rotated, as above
-        copy_row_blocks(ws.view(which, p, rows, H, x_PNH.dtype), out_NH, send_P[p:p + 1], N,
-                        src_row0=ws.rank * N, dst_starts_B=first_P[p:p + 1])
+    _read_peers(ws, which, rows, out_NH, send_P, N, src_row0=ws.rank * N, dst_starts_P=first_P)
     ExchangeTimer.stop(ev)
     return out_NH
+
+
+def _read_peers(ws: _Workspace, which: int, rows: int, out: torch.Tensor, counts_P: torch.Tensor,
+                block_rows: int, src_row0: int = 0, src_starts_P: torch.Tensor | None = None,
+                dst_starts_P: torch.Tensor | None = None) -> None:
+    """After the barrier: from every rank p's buffer ``which`` (as [rows, H]), counts_P[p] rows from
+    row src_row0 (+ src_starts_P[p]) into ``out`` from row p * block_rows (or dst_starts_P[p]).
+    Rank r reads its own buffer, then r + 1, r + 2, ... (mod P): at every stage each buffer has one
+    reader, where reading the peers in the same order on every rank has P - 1 ranks read rank 0's
+    buffer at once, then rank 1's, sharing one GPU's links between them. One persistent launch over
+    all of them (the buffers' addresses from the device), or one per buffer
+    (``MEGATRON_MOE_PEER_READS=per_peer``, and wherever the kernel does not run)."""
+    P, H = ws.num_ranks, out.shape[1]
+    if switches.peer_reads() == "one_launch" and use_triton(out):
+        copy_row_blocks(ws.view(which, ws.rank, rows, H, out.dtype), out, counts_P, block_rows, src_row0=src_row0,
+                        src_starts_B=src_starts_P, dst_starts_B=dst_starts_P, src_ptrs_B=ws.ptrs[which],
+                        first_block=ws.rank)
+        return
+    for p in [(ws.rank + i) % P for i in range(P)]:
+        copy_row_blocks(ws.view(which, p, rows, H, out.dtype), out, counts_P[p:p + 1], block_rows,
+                        src_row0=src_row0, dst_row0=0 if dst_starts_P is not None else p * block_rows,
+                        src_starts_B=None if src_starts_P is None else src_starts_P[p:p + 1],
+                        dst_starts_B=None if dst_starts_P is None else dst_starts_P[p:p + 1], persistent=False)
 
 
 @dataclass

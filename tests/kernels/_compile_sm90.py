@@ -222,8 +222,14 @@ def scenarios():
             src, dst = torch.randn(3 * 40, 768, dtype=dtype), torch.empty(3 * 40, 768, dtype=dtype)
             copy_row_blocks(src, dst, torch.tensor([40, 0, 7]), 40)
         counts, starts = torch.tensor([7]), torch.tensor([33])
-        copy_row_blocks(src, dst, counts, 40, src_starts_B=starts, dst_row0=40)
-        copy_row_blocks(src, dst, counts, 40, src_row0=40, dst_starts_B=starts)
+        for persistent in (True, False):  # (the per-peer reads' grid: one program per row tile)
+            copy_row_blocks(src, dst, counts, 40, src_starts_B=starts, dst_row0=40, persistent=persistent)
+            copy_row_blocks(src, dst, counts, 40, src_row0=40, dst_starts_B=starts, persistent=persistent)
+        ptrs = torch.tensor([src.data_ptr()] * 3)  # every peer's buffer in one launch, both directions
+        copy_row_blocks(src, dst, torch.tensor([4, 0, 9]), 40, src_starts_B=torch.tensor([1, 2, 3]), src_ptrs_B=ptrs,
+                        first_block=1)
+        copy_row_blocks(src, dst, torch.tensor([4, 0, 9]), 40, src_row0=40, dst_starts_B=torch.tensor([0, 4, 4]),
+                        src_ptrs_B=ptrs, first_block=2)
     yield "symmetric exchange row copies", row_blocks
 
     def cross_entropy():

@@ -2,11 +2,19 @@
 counts read on the device, empty and full blocks, block sizes not a multiple of the kernel's row
 tile, widths not a multiple of its column tile, row offsets, bf16 and fp32, int32 and int64
 counts, counts that are a strided view, blocks whose first rows come from the device (packed one
-after another on either side); rows past each count are never written."""
+after another on either side), each block read from its own tensor by address (the exchange's
+peer buffers: one launch, blocks visited from a given one on), both grids (persistent, with more
+row tiles than programs, and one program per tile); rows past each count are never written."""
+import os
+import sys
+
 import pytest
 import torch
 
 from megatron_moe.kernels.copy_rows import copy_row_blocks, copy_row_blocks_reference
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from _util import needs_triton_kernels  # noqa: E402
 
 
 def _loop(src, dst, counts, C, src_row0, dst_row0):
@@ -29,7 +37,8 @@ def _device():
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
-def test_copy_row_blocks_equals_a_row_loop(C, H, counts, offsets, dtype, count_dtype):
+@pytest.mark.parametrize("persistent", [True, False])
+def test_copy_row_blocks_equals_a_row_loop(C, H, counts, offsets, dtype, count_dtype, persistent):
     dev = _device()
     src_row0, dst_row0 = offsets
     B = len(counts)
@@ -38,7 +47,7 @@ def test_copy_row_blocks_equals_a_row_loop(C, H, counts, offsets, dtype, count_d
     dst = torch.full((dst_row0 + B * C + 3, H), -7.0, dtype=dtype, device=dev)  # untouched rows stay -7
     counts_B = torch.tensor(counts, dtype=count_dtype, device=dev)
     want = _loop(src.cpu(), dst.cpu(), counts_B.cpu(), C, src_row0, dst_row0)
-    copy_row_blocks(src, dst, counts_B, C, src_row0=src_row0, dst_row0=dst_row0)
+    copy_row_blocks(src, dst, counts_B, C, src_row0=src_row0, dst_row0=dst_row0, persistent=persistent)
     assert torch.equal(dst.cpu(), want)
     ref = torch.full_like(dst, -7.0)
     copy_row_blocks_reference(src, ref, counts_B, C, src_row0, dst_row0)
@@ -78,6 +87,44 @@ def test_blocks_packed_one_after_another(side, count_dtype):
     ref = torch.full_like(dst, -7.0)
     copy_row_blocks_reference(src, ref, counts.to(dev), C, row0, row0, starts["src_starts_B"], starts["dst_starts_B"])
     assert torch.equal(ref.cpu(), want)
+
+
+@needs_triton_kernels
+@pytest.mark.parametrize("first_block", [0, 2])
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("starts", ["src", "dst"])
+def test_each_block_from_its_own_tensor(first_block, persistent, starts):
+    """Three source tensors of different lengths, read by address in one launch (the exchange's
+    reads of its peers' buffers): from a start on the device into block b of dst, or from row 7 of
+    each into rows packed one after another from starts on the device. 300-row blocks: more row
+    tiles than the persistent grid's programs (on the CPU, 16)."""
+    dev = _device()
+    C, H, row0 = 300, 20, 7
+    g = torch.Generator().manual_seed(2)
+    srcs = [torch.randn(rows, H, generator=g).to(dev) for rows in (310, 600, 5)]
+    counts = torch.tensor([300, 257, 0])
+    first = torch.tensor([10, 343, 5]) if starts == "src" else torch.tensor([0, 300, 557])
+    dst = torch.full((3 * C, H), -7.0, device=dev)
+    want = dst.cpu().clone()
+    for b, (src, n, f) in enumerate(zip(srcs, counts.tolist(), first.tolist())):
+        if starts == "src":
+            want[b * C:b * C + n] = src[f:f + n].cpu()
+        else:
+            want[f:f + n] = src[row0:row0 + n].cpu()
+    ptrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64, device=dev)
+    kw = dict(src_starts_B=first.to(dev)) if starts == "src" else dict(dst_starts_B=first.to(dev), src_row0=row0)
+    copy_row_blocks(srcs[0], dst, counts.to(dev), C, src_ptrs_B=ptrs, first_block=first_block,
+                    persistent=persistent, **kw)
+    assert torch.equal(dst.cpu(), want)
+
+
+def test_source_addresses_need_the_kernel(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import megatron_moe.kernels.copy_rows as copy_rows
+    monkeypatch.setattr(copy_rows, "use_triton", lambda *t: False)
+    src = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="src_ptrs_B needs the kernel"):
+        copy_row_blocks(src, torch.zeros(4, 3), torch.tensor([1]), 4, src_ptrs_B=torch.tensor([src.data_ptr()]))
 
 
 def test_counts_from_a_strided_view():

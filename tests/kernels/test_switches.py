@@ -82,3 +82,14 @@ def test_sorted_rows_on_from_2048_rows_an_expert_unless_set(monkeypatch, name):
     monkeypatch.setenv(var, "yes")
     with pytest.raises(ValueError, match=f"{var}='yes': expected auto .* 1 .* or 0"):
         rule(rows, 64)
+
+
+def test_peer_reads_takes_its_two_ways_and_names_them_for_others(monkeypatch):
+    monkeypatch.delenv("MEGATRON_MOE_PEER_READS", raising=False)
+    assert switches.peer_reads() == "one_launch"
+    monkeypatch.setenv("MEGATRON_MOE_PEER_READS", "per_peer")
+    assert switches.peer_reads() == "per_peer"
+    monkeypatch.setenv("MEGATRON_MOE_PEER_READS", "1")
+    with pytest.raises(ValueError) as e:
+        switches.peer_reads()
+    assert str(e.value) == "MEGATRON_MOE_PEER_READS='1': expected one_launch (the default) or per_peer"

@@ -11,6 +11,7 @@ run in fp32)."""
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -20,7 +21,16 @@ from _util import run_gloo_ranks  # noqa: E402
 WORKER = os.path.join(os.path.dirname(__file__), "_exchange_worker.py")
 
 
-def test_blocks_outputs_and_gradients_equal_a_plain_computation(tmp_path):
+@pytest.mark.parametrize("reads", ["one_launch", "per_peer", "reference"])
+def test_blocks_outputs_and_gradients_equal_a_plain_computation(tmp_path, monkeypatch, reads):
+    """``reads``: the peers' buffers read in one launch (the kernel, under Triton's interpreter),
+    one launch per peer, or by the plain-PyTorch copies (no interpreter: what a CPU-only install
+    runs)."""
+    if reads == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("MEGATRON_MOE_PEER_READS", reads)
     P = 3
     ranks = run_gloo_ranks(WORKER, [str(tmp_path)], P, tmp_path)
     for step in range(len(ranks[0])):
