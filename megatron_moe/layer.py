@@ -64,6 +64,7 @@ class DroplessMoE(nn.Module):
         self.load_balancing_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped_fraction: torch.Tensor | None = None
+        self.exchange_row_bytes: int | None = None  # set by each forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         H = self.cfg.hidden_size
@@ -116,6 +117,7 @@ class DroplessMoE(nn.Module):
             state["tokens_per_expert"] = r.tokens_per_expert_E.detach()
             xc_TH = x_TH.to(dtype)
             w1, w2 = self.experts.w1.to(dtype), self.experts.w2.to(dtype)
+            state["exchange_row_bytes"] = H * dtype.itemsize  # (a row's bytes in the token exchanges)
             xd, ids, w, ctx = self.dispatcher.dispatch(xc_TH, r.expert_ids_TK, r.weights_TK)
             if expert_dx is not None and not (xd is x_TH and w is r.weights_TK and w.requires_grad):
                 expert_dx = None  # the router's holder stays empty: autograd adds the two

@@ -15,11 +15,16 @@ rank is the same collective), groups being contiguous blocks of ``--group-size``
 trainer's expert-parallel groups; the default, all ranks, fits a run with EP = world size).
 
 Per rank: ``busy`` (time with a kernel running, streams merged), ``idle`` (the step's span over
-all ranks minus busy: the GPU waited for its host), ``nccl`` (time in NCCL kernels), ``wait``
-(for each collective, the last arrival's start minus this rank's start: the part of ``nccl``
-spent waiting for another rank) and ``last`` (collectives this rank reached last: the rank the
-others waited for). ``--merged`` writes one Chrome trace with a process per rank (Perfetto,
-chrome://tracing).
+all ranks minus busy: the GPU waited for its host), ``nccl`` (time in NCCL kernels), ``barrier``
+and ``copy`` (the symmetric exchange's, ``a2a_splits=symmetric``: PyTorch symmetric memory's
+barrier kernels, which are collectives too, and the row copies, ``_copy_row_blocks_kernel``, the
+peers' reads and the own buffer's writes), ``wait`` (for each collective, NCCL's and the
+barriers' each matched by order, the last arrival's start minus this rank's start: the part of
+``nccl`` and ``barrier`` spent waiting for another rank) and ``last`` (collectives this rank
+reached last: the rank the others waited for). Where the run's metrics.jsonl has the step's
+``a2a_gb`` (GB a rank received in the step's exchanges, the mean over ranks), ``copy GB/s`` is
+that over the rank's copy time (own-buffer copies included: a lower bound of the links' rate).
+``--merged`` writes one Chrome trace with a process per rank (Perfetto, chrome://tracing).
 """
 from __future__ import annotations
 
@@ -41,6 +46,16 @@ class RankTimeline:
     @property
     def nccl(self) -> list[tuple[float, float, str, object]]:
         return [k for k in self.kernels if k[2].startswith("nccl")]
+
+    @property
+    def barriers(self) -> list[tuple[float, float, str, object]]:
+        """The symmetric exchange's barriers (torch's ``c10d::symmetric_memory::barrier_kernel``)."""
+        return [k for k in self.kernels if "symmetric_memory::barrier" in k[2]]
+
+    @property
+    def copies(self) -> list[tuple[float, float, str, object]]:
+        """The symmetric exchange's row copies (kernels/copy_rows.py)."""
+        return [k for k in self.kernels if k[2].startswith("_copy_row_blocks_kernel")]
 
 
 def read_timeline(path: Path, rank: int) -> RankTimeline:
@@ -71,22 +86,26 @@ def compare(timelines: list[RankTimeline], group_size: int | None = None) -> tup
     starts = [t.kernels[0][0] for t in timelines if t.kernels]
     ends = [max(k[1] for k in t.kernels) for t in timelines if t.kernels]
     span = (max(ends) - min(starts)) if starts else 0.0
-    rows = {t.rank: {"rank": t.rank, "busy_ms": _union([(a, b) for a, b, _, _ in t.kernels]) / 1e3,
-                     "nccl_ms": _union([(a, b) for a, b, _, _ in t.nccl]) / 1e3, "wait_ms": 0.0,
-                     "last": 0, "collectives": len(t.nccl)} for t in timelines}
+    def ms(kernels):
+        return _union([(a, b) for a, b, _, _ in kernels]) / 1e3
+
+    rows = {t.rank: {"rank": t.rank, "busy_ms": ms(t.kernels), "nccl_ms": ms(t.nccl), "barrier_ms": ms(t.barriers),
+                     "copy_ms": ms(t.copies), "wait_ms": 0.0, "last": 0, "collectives": len(t.nccl) + len(t.barriers)}
+            for t in timelines}
     notes = []
     for g in range(0, len(timelines), group_size):
         group = timelines[g:g + group_size]
-        counts = [len(t.nccl) for t in group]
-        if len(set(counts)) > 1:
-            notes.append(f"ranks {group[0].rank}-{group[-1].rank}: {counts} NCCL kernels; the first "
-                         f"{min(counts)} of each are matched")
-        for i in range(min(counts)):
-            arrivals = [t.nccl[i][0] for t in group]
-            last = max(arrivals)
-            for t, s in zip(group, arrivals):
-                rows[t.rank]["wait_ms"] += (last - s) / 1e3
-            rows[group[arrivals.index(last)].rank]["last"] += 1
+        for kind, what in (("nccl", "NCCL kernels"), ("barriers", "symmetric-memory barriers")):
+            counts = [len(getattr(t, kind)) for t in group]
+            if len(set(counts)) > 1:
+                notes.append(f"ranks {group[0].rank}-{group[-1].rank}: {counts} {what}; the first "
+                             f"{min(counts)} of each are matched")
+            for i in range(min(counts)):
+                arrivals = [getattr(t, kind)[i][0] for t in group]
+                last = max(arrivals)
+                for t, s in zip(group, arrivals):
+                    rows[t.rank]["wait_ms"] += (last - s) / 1e3
+                rows[group[arrivals.index(last)].rank]["last"] += 1
     for r in rows.values():
         r["idle_ms"] = span / 1e3 - r["busy_ms"]
     return [rows[t.rank] for t in timelines], notes
@@ -112,6 +131,21 @@ def _traces(run_dir: Path, step: int) -> list[tuple[int, Path]]:
     return found
 
 
+def _step_a2a_gb(run_dir: Path, step: int) -> float | None:
+    """The step's ``a2a_gb`` from the run's metrics.jsonl (rank 0's rows), if logged."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step") == step and row.get("a2a_gb"):
+            return float(row["a2a_gb"])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="megatron-moe-rank-timelines", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path, help="the run directory holding profile_step{N}_rank{R}.json")
@@ -129,10 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                    f"{len(traces)} ranks found\n")
     timelines = [read_timeline(p, r) for r, p in traces]
     rows, notes = compare(timelines, args.group_size)
-    print(f"{'rank':>4} {'busy ms':>9} {'idle ms':>9} {'nccl ms':>9} {'wait ms':>9} {'last':>5} {'collectives':>12}")
+    gb = _step_a2a_gb(args.run_dir, args.step)
+    print(f"{'rank':>4} {'busy ms':>9} {'idle ms':>9} {'nccl ms':>9} {'barrier ms':>10} {'copy ms':>9} {'wait ms':>9} "
+          f"{'last':>5} {'collectives':>12}" + (f" {'copy GB/s':>10}" if gb else ""))
     for r in rows:
-        print(f"{r['rank']:>4} {r['busy_ms']:>9.2f} {r['idle_ms']:>9.2f} {r['nccl_ms']:>9.2f} "
-              f"{r['wait_ms']:>9.2f} {r['last']:>5} {r['collectives']:>12}")
+        rate = f" {gb / (r['copy_ms'] / 1e3):>10.0f}" if gb and r["copy_ms"] else (f" {'-':>10}" if gb else "")
+        print(f"{r['rank']:>4} {r['busy_ms']:>9.2f} {r['idle_ms']:>9.2f} {r['nccl_ms']:>9.2f} {r['barrier_ms']:>10.2f} "
+              f"{r['copy_ms']:>9.2f} {r['wait_ms']:>9.2f} {r['last']:>5} {r['collectives']:>12}{rate}")
+    if gb:
+        print(f"a2a_gb (metrics.jsonl, step {args.step}): {gb:.3f} GB a rank")
     for n in notes:
         print(f"note: {n}")
     if args.merged is not None:

@@ -9,6 +9,9 @@ Only rank 0 logs. Every step writes one JSON object per line to ``run_dir/metric
     expert_load/ep_rank_imbalance, expert_load/layerN/ep_rank_imbalance   (expert parallelism only)
     a2a_ms, a2a_fraction                           (expert parallelism only: GPU time in the token
                                                     all-to-alls, all layers, and its share of the step)
+    a2a_gb, a2a_gb_per_s                           (expert parallelism only: GB each rank received
+                                                    from the other ranks of its group in the step's
+                                                    token exchanges; over a2a_ms, where measured)
     dropped_fraction, dropped_fraction/layerN      (capacity models only)
     val_loss, val_ppl                              (evaluation steps only)
     world_size, data_train_tokens, data_epochs     (the first step of each start, resumes included)
@@ -29,6 +32,11 @@ token->expert assignments (all ranks) per expert; cv = population std / mean of 
 ep_rank_imbalance = the busiest expert-parallel rank's assignments over the mean rank's (its
 experts' counts summed; 1 = balanced, P = all on one of P ranks; the top-level key averages the
 layers): under expert parallelism the other ranks wait for the busiest at every exchange.
+a2a_gb counts the four exchanges of every MoE layer and micro-batch (dispatch and combine, forward
+and backward), averaged over the ranks: the valid rows for ``a2a_splits`` host and symmetric, the
+whole blocks for padded (which sends those); a2a_gb_per_s divides it by a2a_ms, which holds the
+waits for other ranks too (eager runs only: a CUDA graph's exchanges are not timed; the profile's
+exchange kernels are, ``megatron-moe-rank-timelines``).
 ``mfu``, ``peak_mem_gb`` and ``peak_reserved_gb`` are null on the CPU; non-finite numbers are written as null.
 W&B (``WandbRun``): ``logging.wandb_mode: auto`` runs online when W&B has credentials
 (WANDB_API_KEY or a ``wandb login``), else offline, and says which and why in one console line;
@@ -56,8 +64,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsLogger", "StepProfiler", "WandbRun", "ep_rank_imbalance", "expert_load_stats",
-           "format_line", "wandb_credentials", "wandb_mode"]
+__all__ = ["MetricsLogger", "StepProfiler", "WandbRun", "a2a_gb", "a2a_rows_sent", "ep_rank_imbalance",
+           "expert_load_stats", "format_line", "wandb_credentials", "wandb_mode"]
 
 PROG = "megatron-moe-train"
 
@@ -77,6 +85,23 @@ def expert_load_stats(tokens_per_expert_LE: torch.Tensor, names: list[str]) -> d
         mean = c.mean()
         out[f"expert_load/{name}/cv"] = float(c.std(unbiased=False) / mean)
     return out
+
+
+def a2a_rows_sent(tokens_per_expert_LE: torch.Tensor, ep_size: int, ep_rank: int) -> torch.Tensor:
+    """This rank's assignments to experts on the other ranks of its expert-parallel group, summed over
+    the layers, from its own (not yet reduced) [L, E] counts: a 0-dim tensor on their device (no
+    host read). Summed over the ranks it is every rank's rows received as well."""
+    El = tokens_per_expert_LE.shape[1] // ep_size
+    return tokens_per_expert_LE.sum() - tokens_per_expert_LE[:, ep_rank * El:(ep_rank + 1) * El].sum()
+
+
+def a2a_gb(rows_sent_all_ranks: float, world_size: int, row_bytes: int, *, padded_rows: int | None = None) -> float:
+    """GB each rank receives from the others in a step's token exchanges (module docstring): four
+    exchanges carry each assignment that leaves its rank (there and back, forward and backward), so
+    4 x the rows sent, averaged over the ranks; ``padded_rows``: the rows a padded exchange carries
+    from other ranks per exchange, summed over the step's exchanges of one kind (they travel whole)."""
+    rows = 4 * (padded_rows if padded_rows is not None else rows_sent_all_ranks / world_size)
+    return rows * row_bytes / 1e9
 
 
 def ep_rank_imbalance(tokens_per_expert_LE: torch.Tensor, names: list[str], ep_size: int) -> dict[str, float]:

@@ -80,7 +80,8 @@ from .distributed import DistInfo, set_deterministic, setup_distributed, teardow
 from .fault_hooks import hooks
 from .flops import count_parameters, flops_per_token, peak_tflops
 from .grad_reduce import GradReducer, clip_coefficient, clip_grad_norm
-from .metrics import MetricsLogger, StepProfiler, ep_rank_imbalance, expert_load_stats, format_line
+from .metrics import (MetricsLogger, StepProfiler, a2a_gb, a2a_rows_sent, ep_rank_imbalance, expert_load_stats,
+                      format_line)
 from .optimizer import AdamW, build_optimizer, lr_at, trainable_params
 from .precision import BF16Params
 from .run_config import ConfigError, RunConfig, load_config
@@ -163,6 +164,7 @@ class StepResult:
     finite: bool
     packed_C: torch.Tensor  # [lm, aux, z, dropped(L), tokens_per_expert(L*E), grad_norm] on the CPU
     stop_signal: str | None = None  # a stop signal any rank received (stop_signals.py)
+    a2a_rows_sent: float | None = None  # expert parallelism: rows sent to other ranks, all ranks' summed
 
 
 # ----------------------------------------------------------------------------- build
@@ -395,7 +397,11 @@ def train_step(run: Run) -> StepResult:
     run.optimizer.prepare()  # the update's host work now, while the GPU runs the micro-batches
     # the stop-signal flags ride along: every rank learns whether any rank received one
     stop_S = run.stop.flags(device) if run.stop is not None else None
-    packed = torch.cat([stats_C] + ([stop_S] if stop_S is not None else []))
+    sent_1 = None  # expert parallelism: the rows this rank's tokens sent to the group's other ranks
+    if run.groups.ep_size > 1 and run.layers:
+        tpe_LE = stats_C[3 + len(run.layers):].view(len(run.layers), -1)
+        sent_1 = a2a_rows_sent(tpe_LE, run.groups.ep_size, run.groups.ep_rank).reshape(1)
+    packed = torch.cat([stats_C] + ([sent_1] if sent_1 is not None else []) + ([stop_S] if stop_S is not None else []))
     if run.di.world_size > 1:
         dist.all_reduce(packed)
     # grad_norm is global already (the same on every rank): appended after the reduction
@@ -405,6 +411,10 @@ def train_step(run: Run) -> StepResult:
         n = len(stop_S)
         stop_signal = run.stop.first(packed_C[-1 - n:-1])
         packed_C = torch.cat([packed_C[:-1 - n], packed_C[-1:]])
+    rows_sent = None
+    if sent_1 is not None:  # out again too, after the flags
+        rows_sent = float(packed_C[-2])
+        packed_C = torch.cat([packed_C[:-2], packed_C[-1:]])
     lm_loss = float(packed_C[0]) / (run.num_micro * run.di.world_size)
     gnorm = float(packed_C[-1])
     finite = math.isfinite(lm_loss) and math.isfinite(gnorm)  # the same on every rank
@@ -418,7 +428,7 @@ def train_step(run: Run) -> StepResult:
         run.consecutive += 1
     run.step += 1
     run.consumed += tc.global_batch_size
-    return StepResult(lm_loss, gnorm, lr, finite, packed_C, stop_signal)
+    return StepResult(lm_loss, gnorm, lr, finite, packed_C, stop_signal, rows_sent)
 
 
 def step_metrics(run: Run, r: StepResult, step_time: float) -> dict:
@@ -443,6 +453,15 @@ def step_metrics(run: Run, r: StepResult, step_time: float) -> dict:
     if a2a_ms is not None:  # expert parallelism: GPU time in the token all-to-alls
         m["a2a_ms"] = a2a_ms
         m["a2a_fraction"] = a2a_ms / 1e3 / step_time
+    if r.a2a_rows_sent is not None and run.layers[0].exchange_row_bytes:
+        padded = None
+        if mc.moe.a2a_splits == "padded":  # whole blocks: tokens x top_k rows from each other rank
+            padded = ((run.groups.ep_size - 1) * tc.micro_batch_size * mc.seq_length * mc.moe.top_k
+                      * n_layers * run.num_micro)
+        m["a2a_gb"] = a2a_gb(r.a2a_rows_sent, run.di.world_size, run.layers[0].exchange_row_bytes,
+                             padded_rows=padded)
+        if a2a_ms:
+            m["a2a_gb_per_s"] = m["a2a_gb"] / (a2a_ms / 1e3)
     if n_layers:
         tpe_LE = r.packed_C[3 + n_layers:-1].reshape(n_layers, -1)
         m.update(expert_load_stats(tpe_LE, run.layer_names))

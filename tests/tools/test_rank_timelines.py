@@ -70,9 +70,9 @@ def test_cli_table_merged_trace_and_errors(tmp_path, capsys):
     merged = tmp_path / "merged.json"
     assert main([str(tmp_path), "--step", "7", "--merged", str(merged)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["rank", "busy", "ms", "idle", "ms", "nccl", "ms", "wait", "ms", "last",
-                                           "collectives"]
-    assert out.splitlines()[1].split()[:6] == ["0", "0.50", "0.20", "0.35", "0.25", "1"]
+    assert out.splitlines()[0].split() == ["rank", "busy", "ms", "idle", "ms", "nccl", "ms", "barrier", "ms", "copy",
+                                           "ms", "wait", "ms", "last", "collectives"]
+    assert out.splitlines()[1].split()[:8] == ["0", "0.50", "0.20", "0.35", "0.00", "0.00", "0.25", "1"]
     events = json.loads(merged.read_text())["traceEvents"]
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1"}
     assert min(e["ts"] for e in events if e["ph"] == "X") == 0.0 and len([e for e in events if e["ph"] == "X"]) == 7
@@ -82,3 +82,34 @@ def test_cli_table_merged_trace_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path), "--step", "7", "--group-size", "3"])
     assert e.value.code == 2 and "--group-size 3 does not divide the 2 ranks" in capsys.readouterr().err
+
+
+def test_symmetric_exchange_barriers_are_collectives_and_copies_give_a_rate(tmp_path, capsys):
+    """The symmetric exchange's kernels: barriers matched by order as collectives (beside NCCL's,
+    each kind on its own), row copies summed, and with the step's a2a_gb in metrics.jsonl a rate."""
+    barrier = "void c10d::symmetric_memory::barrier_kernel<(c10d::symmetric_memory::MemOpSem)0>(unsigned int**, ...)"
+    copy = "_copy_row_blocks_kernel"
+    # rank 0 (absolute µs): copy 0-100, barrier 100-400 (waits for rank 1), copy 400-500, nccl 600-610,
+    # barrier 700-710; rank 1: copy 0-380, barrier 380-400, copy 400-600, nccl 605-610, barrier 650-710
+    r0 = _trace(tmp_path / "profile_step7_rank0.json", 0, [
+        (0, 100, copy, 7), (100, 300, barrier, 7), (400, 100, copy, 7), (600, 10, "ncclDevKernel_SendRecv", 9),
+        (700, 10, barrier, 7)])
+    r1 = _trace(tmp_path / "profile_step7_rank1.json", 0, [
+        (0, 380, copy, 7), (380, 20, barrier, 7), (400, 200, copy, 7), (605, 5, "ncclDevKernel_SendRecv", 9),
+        (650, 60, barrier, 7)])
+    rows, notes = compare([read_timeline(r0, 0), read_timeline(r1, 1)])
+    by = {r["rank"]: r for r in rows}
+    assert notes == []
+    assert by[0]["copy_ms"] == pytest.approx(0.200) and by[1]["copy_ms"] == pytest.approx(0.580)
+    assert by[0]["barrier_ms"] == pytest.approx(0.310) and by[1]["barrier_ms"] == pytest.approx(0.080)
+    # barrier #1: 100 vs 380 -> rank 0 waits 280, rank 1 last; #2: 700 vs 650 -> rank 1 waits 50;
+    # the NCCL kernel: 600 vs 605 -> rank 0 waits 5, rank 1 last
+    assert by[0]["wait_ms"] == pytest.approx(0.285) and by[1]["wait_ms"] == pytest.approx(0.050)
+    assert (by[0]["last"], by[1]["last"]) == (1, 2) and by[0]["collectives"] == 3
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 6, "a2a_gb": 9.0}) + "\n"
+                                            + json.dumps({"step": 7, "a2a_gb": 0.058}) + "\n")
+    assert main([str(tmp_path), "--step", "7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("copy GB/s")
+    assert lines[1].split()[-1] == "290" and lines[2].split()[-1] == "100"  # 0.058 GB / 0.2 ms, / 0.58 ms
+    assert lines[3] == "a2a_gb (metrics.jsonl, step 7): 0.058 GB a rank"

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import yaml
 
 from megatron_moe.training.checkpoint import (CheckpointError, get_rng_state, latest_checkpoint,
                                      load_checkpoint, save_checkpoint, set_rng_state,
@@ -456,6 +457,23 @@ def test_ep_rank_imbalance():
         ep_rank_imbalance(counts, names, 3)
 
 
+def test_a2a_rows_sent_and_gb():
+    """The rows a rank's tokens send to the group's other ranks (a loop over layers and experts as
+    reference), and the GB per rank a step's four exchanges of them carry."""
+    from megatron_moe.training.metrics import a2a_gb, a2a_rows_sent
+
+    counts = torch.tensor([[3.0, 0, 5, 1, 2, 2, 0, 7], [0.0, 0, 0, 0, 4, 0, 0, 0]])
+    for ep in (2, 4, 8):
+        El = 8 // ep
+        for rank in range(ep):
+            want = sum(v for row in counts.tolist() for e, v in enumerate(row) if e // El != rank)
+            got = a2a_rows_sent(counts, ep, rank)
+            assert got.dim() == 0 and float(got) == want, (ep, rank)
+    # 1000 rows sent over 4 ranks, 1536-byte rows: each goes there and back, forward and backward
+    assert a2a_gb(1000.0, 4, 1536) == pytest.approx(4 * 250 * 1536 / 1e9)
+    assert a2a_gb(1000.0, 4, 1536, padded_rows=3000) == pytest.approx(4 * 3000 * 1536 / 1e9)
+
+
 def test_metrics_logger_truncates_on_resume_and_writes_null(tmp_path):
     class Cfg:
         class logging:
@@ -787,8 +805,23 @@ def test_cuda_graph_bookkeeping_under_expert_parallelism(workdir, name, splits, 
         assert "capture" in out.stdout and "(train.cuda_graphs=auto -> micro_batch)" in out.stdout, out.stdout[-2000:]
     overwrites = "the first micro-batch overwrites the gradients" in out.stdout
     assert overwrites == ("--bf16-on-cpu" in hooks), out.stdout[-2000:]
-    for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/ep_rank_imbalance", "expert_load/layer1/max_share"):
+    for key in ("lm_loss", "grad_norm", "aux_loss", "expert_load/ep_rank_imbalance", "expert_load/layer1/max_share",
+                "a2a_gb"):
         assert [r[key] for r in rows[graphs]] == [r[key] for r in rows["none"]], key
+    # the exchanged volume: padded blocks whole (tokens x top_k rows from the other rank, four
+    # exchanges a layer and micro-batch), the symmetric exchange's valid rows at most that
+    cfg = yaml.safe_load((workdir / "runs" / f"ep2-{splits}-{name}-none" / "config.yaml").read_text())
+    tc, mc = cfg["train"], cfg["model"]
+    n_micro = tc["global_batch_size"] // (tc["micro_batch_size"] * 2)
+    moe_layers = len([k for k in rows["none"][0] if k.startswith("expert_load/layer") and k.endswith("/max_share")])
+    row_bytes = mc["hidden_size"] * (2 if "--bf16-on-cpu" in hooks else 4)
+    rows_whole = tc["micro_batch_size"] * mc["seq_length"] * mc["moe"]["top_k"] * moe_layers * n_micro
+    for r in rows["none"]:
+        if splits == "padded":
+            assert r["a2a_gb"] == pytest.approx(4 * rows_whole * row_bytes / 1e9)
+        else:
+            assert 0 < r["a2a_gb"] <= 4 * rows_whole * row_bytes / 1e9
+        assert "a2a_gb_per_s" not in r  # (no exchange time on the CPU)
 
 
 def test_graphs_with_the_host_read_exchange_are_refused_before_the_data(workdir):
