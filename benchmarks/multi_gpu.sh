@@ -22,7 +22,7 @@
 # stopped, so what ran still comes back. MOE_EXTRA: overrides for every MoE run. Medians over
 # the steps after MEASURE_FROM (default STEPS/4); GRAPHS: every run's train.cuda_graphs (default
 # none: runs on several GPUs are eager under the default 'auto', so the one-GPU runs are too);
-# "busiest" is the busiest expert's share of
+# "a2a GB" the GB a rank received in a step's token exchanges (metrics.py's a2a_gb); "busiest" is the busiest expert's share of
 # the tokens, averaged over MoE layers (1/E balanced, 1 collapsed), median over those steps;
 # "rank imb" the busiest expert-parallel rank's tokens over the mean rank's (metrics.py).
 # MEGATRON_MOE_PROFILE_STEP is set for PROFILE_RUN (torch.profiler over one step; the rank-0
@@ -108,6 +108,7 @@ for p in sorted(glob.glob(os.path.join(out, "*.jsonl"))):
     rows[name] = dict(config=m.group(1), variant=set(m.group(4).split("-")) - {""}, gpus=n, tokens_per_s_per_gpu=st.median(x["tokens_per_s"] for x in r) / n,
                       step_time_s=st.median(x["step_time_s"] for x in r), a2a_ms=st.median(a2a) if a2a else 0.0,
                       a2a_fraction=st.median(x.get("a2a_fraction", 0.0) for x in r),
+                      a2a_gb=st.median(x.get("a2a_gb") or 0.0 for x in r),
                       tflops_per_gpu=st.median(x.get("tflops_per_gpu") or 0.0 for x in r),
                       mfu=st.median(x.get("mfu") or 0.0 for x in r),
                       peak_mem_gb=max(x.get("peak_mem_gb") or 0.0 for x in r),
@@ -120,10 +121,10 @@ for name, row in rows.items():  # against the same config on the fewest GPUs, sh
     row["vs"] = f"{row['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f} of {base['gpus']} GPU"
 json.dump({k: dict(v, variant=sorted(v["variant"])) for k, v in rows.items()},
           open(os.path.join(out, "scaling.json"), "w"), indent=1)
-print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7} {'busiest':>7} {'rank imb':>8}")
+print(f"{'run':<30} {'GPUs':>4} {'tok/s/GPU':>10} {'scaling':>12} {'s/step':>7} {'a2a ms':>7} {'a2a %':>6} {'a2a GB':>7} {'TFLOP/s':>8} {'MFU':>5} {'mem GB':>7} {'busiest':>7} {'rank imb':>8}")
 for name, r in sorted(rows.items(), key=lambda kv: (kv[1]["config"], kv[1]["gpus"])):
     print(f"{name:<30} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} {r['vs']:>12} {r['step_time_s']:>7.3f} "
-          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f} {r['busiest']:>7.3f} {'-' if r['rank_imbalance'] is None else format(r['rank_imbalance'], '.2f'):>8}")
+          f"{r['a2a_ms']:>7.1f} {100 * r['a2a_fraction']:>5.1f}% {r['a2a_gb']:>7.2f} {r['tflops_per_gpu']:>8.1f} {100 * r['mfu']:>4.1f}% {r['peak_mem_gb']:>7.1f} {r['busiest']:>7.3f} {'-' if r['rank_imbalance'] is None else format(r['rank_imbalance'], '.2f'):>8}")
 EOF
 # everything in one archive, $OUT/multi_gpu.tgz, to copy back from a remote machine: TARBALL=1
 [[ "${TARBALL:-0}" == 1 ]] && tar czf "/tmp/multi_gpu.tgz" -C "$OUT" . && mv /tmp/multi_gpu.tgz "$OUT/"

@@ -1,4 +1,4 @@
-"""The symmetric dispatcher (a2a_splits='symmetric') on its CPU stand-in, 3 gloo processes, against
+"""The symmetric dispatcher (a2a_splits='symmetric') on its CPU stand-in, 3 and 8 gloo processes, against
 a plain single-process computation over every rank's inputs: each received block holds, in order,
 the sender's assignments to this rank's experts (stable by expert), and the local expert ids mark
 them and nothing else; combining a stand-in expert (each row times its global expert id + 1)
@@ -21,17 +21,16 @@ from _util import run_gloo_ranks  # noqa: E402
 WORKER = os.path.join(os.path.dirname(__file__), "_exchange_worker.py")
 
 
-@pytest.mark.parametrize("reads", ["one_launch", "per_peer", "reference"])
-def test_blocks_outputs_and_gradients_equal_a_plain_computation(tmp_path, monkeypatch, reads):
+@pytest.mark.parametrize("reads, P", [("one_launch", 3), ("per_peer", 3), ("reference", 3), ("one_launch", 8)])
+def test_blocks_outputs_and_gradients_equal_a_plain_computation(tmp_path, monkeypatch, reads, P):
     """``reads``: the peers' buffers read in one launch (the kernel, under Triton's interpreter),
     one launch per peer, or by the plain-PyTorch copies (no interpreter: what a CPU-only install
-    runs)."""
+    runs); 3 ranks, and 8 (the paper's expert parallelism)."""
     if reads == "reference":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("MEGATRON_MOE_PEER_READS", reads)
-    P = 3
     ranks = run_gloo_ranks(WORKER, [str(tmp_path)], P, tmp_path)
     for step in range(len(ranks[0])):
         res = [ranks[r][step] for r in range(P)]
