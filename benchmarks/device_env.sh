@@ -36,10 +36,12 @@ write_env() {  # FILE: the GPUs, torch / Triton / CUDA versions and the UTC date
   return 0
 }
 
-split_overrides() {  # "a=1,mb=32,b=2" DEFAULT_MB: sets mb (mb=N, else DEFAULT_MB) and extra (the rest)
-  local o
-  mb=$2; extra=()
+split_overrides() {  # "a=1,mb=32,B=2" DEFAULT_MB: sets mb (mb=N, else DEFAULT_MB), env_extra (upper-case
+  local o             # NAME=value: environment variables, e.g. kernel switches) and extra (the rest)
+  mb=$2; extra=(); env_extra=()
   for o in ${1//,/ }; do
-    if [[ $o == mb=* ]]; then mb=${o#mb=}; else extra+=("$o"); fi
+    if [[ $o == mb=* ]]; then mb=${o#mb=}
+    elif [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then env_extra+=("$o")
+    else extra+=("$o"); fi
   done
 }

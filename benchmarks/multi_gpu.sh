@@ -47,14 +47,10 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 python3 -m megatron_moe.training.data.prepare_cli --config configs/gpt-small.yaml > "$OUT/data_prep.log" 2>&1 || { tail "$OUT/data_prep.log"; exit 1; }
 
 run_one() {  # name config gpus ep [overrides]
-  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb extra
+  local name=$1 cfg=$2 gpus=$3 ep=$4 own=${5:-} n mb extra env_extra
   n=$(tr ',' '\n' <<< "$gpus" | wc -l)
   split_overrides "$own" "$MB"  # mb=N: this run's micro-batch (global = N x ACC x GPUs)
-  local envs=(CUDA_VISIBLE_DEVICES="$gpus") o rest=()
-  for o in "${extra[@]}"; do  # NAME=value in upper case: an environment variable (a kernel switch)
-    if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o"); else rest+=("$o"); fi
-  done
-  extra=("${rest[@]}")
+  local envs=(CUDA_VISIBLE_DEVICES="$gpus" "${env_extra[@]}")
   [[ $ep -gt 0 ]] && extra=("model.moe.expert_parallel_size=$ep" ${MOE_EXTRA:-} "${extra[@]}")
   [[ $name == "$PROFILE_RUN" ]] && envs+=(MEGATRON_MOE_PROFILE_STEP="$PROFILE_STEP")
   # no run outlives DEADLINE, so the table below is printed within it (a run it cuts keeps its rows)

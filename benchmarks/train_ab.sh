@@ -28,10 +28,9 @@ write_env "$W/env.txt"
 for spec in ${RUNS:?RUNS is empty}; do
   IFS=: read -r name cfg own <<< "$spec"
   split_overrides "$own" "$MB"
-  envs=(); cfg_over=(); echo "$MEASURE_FROM" > "$W/$name.from"; echo "$PROFILE_STEP" > "$W/$name.prof"
+  envs=("${env_extra[@]}"); cfg_over=(); echo "$MEASURE_FROM" > "$W/$name.from"; echo "$PROFILE_STEP" > "$W/$name.prof"
   for o in "${extra[@]}"; do
-    if [[ $o =~ ^[A-Z][A-Z0-9_]*= ]]; then envs+=("$o")
-    elif [[ $o == from=* ]]; then echo "${o#from=}" > "$W/$name.from"
+    if [[ $o == from=* ]]; then echo "${o#from=}" > "$W/$name.from"
     elif [[ $o == prof=* ]]; then echo "${o#prof=}" > "$W/$name.prof"
     else cfg_over+=("$o"); fi
   done
