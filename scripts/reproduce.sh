@@ -9,6 +9,7 @@
 #   DRY_RUN=1 scripts/reproduce.sh xs                         # print the commands only
 #   MICRO_BATCH_GPT_XS=64 MICRO_BATCH_DMOE_XS=32 scripts/reproduce.sh xs   # skip those searches
 #   NPROC=8 EP=8 scripts/reproduce.sh medium                  # torchrun (scripts/pretrain.sh)
+#   NPROC=8 EP=8 DMOE_OVERRIDES=model.moe.a2a_splits=symmetric scripts/reproduce.sh xs   # the paper's 8 GPUs
 #
 # SIZE is xs, small or medium (dmoe-/moe-medium need ~208 GB for weights + AdamW: use NPROC>=4
 # and EP, expert parallelism for the MoE runs only). Environment:
@@ -18,6 +19,9 @@
 #   EVAL_INTERVAL / EVAL_ITERS   evaluate every N steps (default steps/6) on M global batches (2)
 #   NPROC        GPUs (default 1: python -m megatron_moe.training; >1: scripts/pretrain.sh)
 #   EP           model.moe.expert_parallel_size for the MoE runs (default: unset)
+#   DMOE_OVERRIDES  key=value overrides (space-separated) for the dropless runs only, e.g. with EP
+#                on one node "model.moe.a2a_splits=symmetric" (the fastest exchange measured; CUDA
+#                graphs then hold the steps; the capacity-factor runs keep the host exchange)
 #   MICRO_BATCH_<NAME>   micro-batch for run NAME, upper-cased, '-'/'.' -> '_' (e.g.
 #                MICRO_BATCH_MOE_XS_CF1_5); else the search's saved answer, else a search
 #   MB_START     first micro-batch the search tries (default: the config's micro_batch_size)
@@ -50,6 +54,10 @@ case "$SIZE" in
 esac
 for o in "$@"; do
     [[ "$o" == *=* ]] || { echo "reproduce.sh: override '$o' is invalid: expected key=value, e.g. train.lr=3e-4" >&2; exit 2; }
+done
+read -r -a DMOE_OVR <<< "${DMOE_OVERRIDES:-}"
+for o in "${DMOE_OVR[@]}"; do
+    [[ "$o" == *=* ]] || { echo "reproduce.sh: DMOE_OVERRIDES entry '$o' is invalid: expected key=value, e.g. model.moe.a2a_splits=symmetric" >&2; exit 2; }
 done
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -140,6 +148,7 @@ for r in "${SELECTED[@]}"; do
     EXTRA=()
     [[ -n "$CF" ]] && EXTRA+=("$CF")
     [[ -n "${EP:-}" && "$NAME" != gpt-* ]] && EXTRA+=("model.moe.expert_parallel_size=$EP")
+    [[ "$NAME" == dmoe-* ]] && EXTRA+=("${DMOE_OVR[@]}")
     OVR=("${COMMON[@]}" "${EXTRA[@]}" "$@")
     if [[ -f "$RUNS_DIR/$NAME/.repro-done" && "${FORCE:-0}" != 1 && "$DRY_RUN" != 1 ]]; then
         echo "== $NAME: done already ($RUNS_DIR/$NAME/.repro-done; FORCE=1 reruns it)"

@@ -245,6 +245,13 @@ def test_dry_run_tokens_micro_batch_env_and_overrides():
     assert opts["dmoe-small"]["model.moe.expert_parallel_size"] == "2"
     find = [c for c in cmds if "tools/find_micro_batch.py" in c]
     assert len(find) == 3 and all(c[c.index("--nproc") + 1] == "2" for c in find)
+    # overrides for the dropless runs only (the capacity-factor runs cannot take the symmetric exchange)
+    proc = _dry("small", NPROC="8", EP="8", DMOE_OVERRIDES="model.moe.a2a_splits=symmetric train.cuda_graphs=auto")
+    assert proc.returncode == 0, proc.stderr
+    opts = {_opts(c)["name"]: _opts(c) for c in _commands(proc.stdout) if "scripts/pretrain.sh" in c}
+    assert opts["dmoe-small"]["model.moe.a2a_splits"] == "symmetric"
+    assert opts["dmoe-small"]["train.cuda_graphs"] == "auto"
+    assert all("model.moe.a2a_splits" not in o for n, o in opts.items() if n != "dmoe-small")
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -254,6 +261,7 @@ def test_dry_run_tokens_micro_batch_env_and_overrides():
     (["xs"], {"RUNS": "moe-xs"}, "RUNS entry 'moe-xs' is invalid: expected some of: gpt-xs dmoe-xs"),
     (["xs"], {"MICRO_BATCH_GPT_XS": "0"}, "MICRO_BATCH_GPT_XS='0' is invalid: expected an int >= 1"),
     (["xs", "lr"], {}, "override 'lr' is invalid: expected key=value"),
+    (["xs"], {"DMOE_OVERRIDES": "symmetric"}, "DMOE_OVERRIDES entry 'symmetric' is invalid: expected key=value"),
     (["xs", "train.bogus=1"], {}, "config error: unknown key 'train.bogus'"),
 ])
 def test_bad_input_is_one_line(args, env, message):
