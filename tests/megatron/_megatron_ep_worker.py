@@ -76,7 +76,9 @@ def grad_norm_1(model):
 
 def main():
     out_dir, ep = sys.argv[1], int(sys.argv[2])
-    os.environ["MEGATRON_MOE_OVERRIDES"] = f"model.moe.mlp_impl={sys.argv[3]} model.moe.block_size=16"
+    impl, _, splits = sys.argv[3].partition("+")  # e.g. triton_grouped+symmetric: the exchange too
+    os.environ["MEGATRON_MOE_OVERRIDES"] = (f"model.moe.mlp_impl={impl} model.moe.block_size=16"
+                                            + (f" model.moe.a2a_splits={splits}" if splits else ""))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.core import parallel_state
