@@ -44,7 +44,6 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-
 from dataclasses import dataclass
 
 import torch
