@@ -190,8 +190,19 @@ class _PaddedContext:
     routing: Routing
     slot_N: torch.Tensor  # sorted position -> row of the padded [P * C] exchange buffer
     weights_TK: torch.Tensor
-    send_P: torch.Tensor  # valid rows of each peer's block, sent / received (on the device)
-    recv_P: torch.Tensor
+
+
+def _block_expert_ids(recv_counts_PEl: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local expert id of each row of P received blocks of C rows (rows from each peer sorted by
+    local expert, padding after them: id El), from the rows per peer and local expert [P, El], on the
+    device; and the rows' weights (ones: the combine applies the router's). [P * C, 1] each."""
+    P = recv_counts_PEl.shape[0]
+    dev = recv_counts_PEl.device
+    # row j of peer p's block: the local expert whose cumulative count first exceeds j
+    cum_PEl = torch.cumsum(recv_counts_PEl, 1)
+    j_PC = torch.arange(C, device=dev).expand(P, C).contiguous()
+    ids_R = torch.searchsorted(cum_PEl, j_PC, right=True).reshape(-1)  # El = padding
+    return ids_R[:, None], torch.ones(P * C, 1, device=dev, dtype=torch.float32)
 
 
 class PaddedAllToAllDispatcher(AllToAllDispatcher):
@@ -215,25 +226,17 @@ class PaddedAllToAllDispatcher(AllToAllDispatcher):
         send_P = send_counts_E.view(P, El).sum(1)
         first_P = torch.cumsum(send_P, 0) - send_P
         slot_N = dest_N * C + torch.arange(N, device=dev) - first_P[dest_N]
-        x_send = self._blocks(x_TH, P * C).index_copy(0, slot_N, permute_tokens(x_TH, routing))
+        # padding rows travel too (whole blocks): zeros
+        x_send = x_TH.new_zeros(P * C, x_TH.shape[1]).index_copy(0, slot_N, permute_tokens(x_TH, routing))
         work.wait()  # a stream dependency on the GPU, not a host wait
-        cum_PEl = torch.cumsum(recv_counts_PEl.view(P, El), 1)
-        recv_P = cum_PEl[:, -1].contiguous()
-        x_recv = self._exchange(x_send, send_P, recv_P)
-        # row j of peer p's block: the local expert whose cumulative count first exceeds j
-        j_PC = torch.arange(C, device=dev).expand(P, C).contiguous()
-        ids_R = torch.searchsorted(cum_PEl, j_PC, right=True).reshape(-1)  # El = padding
-        ones_R1 = torch.ones(P * C, 1, device=dev, dtype=torch.float32)
-        return x_recv, ids_R[:, None], ones_R1, _PaddedContext(routing, slot_N, weights_TK, send_P, recv_P)
+        x_recv = self._exchange(x_send)
+        ids_R1, ones_R1 = _block_expert_ids(recv_counts_PEl.view(P, El), C)
+        return x_recv, ids_R1, ones_R1, _PaddedContext(routing, slot_N, weights_TK)
 
     def combine(self, y_RH, ctx: _PaddedContext):
-        y_back = self._exchange(y_RH, ctx.recv_P, ctx.send_P)
-        return unpermute_tokens(y_back[ctx.slot_N], ctx.weights_TK, ctx.routing)
+        return unpermute_tokens(self._exchange(y_RH)[ctx.slot_N], ctx.weights_TK, ctx.routing)
 
-    def _blocks(self, x_TH, rows):  # padding rows travel: zeros
-        return x_TH.new_zeros(rows, x_TH.shape[1])
-
-    def _exchange(self, x_PCH, n_out_P, n_in_P):
+    def _exchange(self, x_PCH):
         """Whole blocks travel (the counts are not needed: padding rows go too)."""
         C = x_PCH.shape[0] // self.num_ranks
         return all_to_all(x_PCH, [C] * self.num_ranks, [C] * self.num_ranks, self.group)
@@ -259,7 +262,6 @@ class SymmetricAllToAllDispatcher(AllToAllDispatcher):
         T, K = expert_ids_TK.shape
         P, El = self.num_ranks, self.num_local_experts
         N = T * K
-        dev = x_TH.device
         routing = routing_metadata(expert_ids_TK, P * El, _SORT_BLOCK)
         send_PEl = routing.tokens_per_expert_E.long().view(P, El)
         send_P = send_PEl.sum(1)
@@ -277,12 +279,8 @@ class SymmetricAllToAllDispatcher(AllToAllDispatcher):
             plan.start_in_P = meta_recv_P2[:, El].contiguous()
 
         x_recv = dispatch_rows(x_TH, plan, self.group, counts_arrived)
-        # row j of peer p's block: the local expert whose cumulative count first exceeds j
-        cum_PEl = torch.cumsum(meta_recv_P2[:, :El], 1)
-        j_PN = torch.arange(N, device=dev).expand(P, N).contiguous()
-        ids_R = torch.searchsorted(cum_PEl, j_PN, right=True).reshape(-1)  # El = padding
-        ones_R1 = torch.ones(P * N, 1, device=dev, dtype=torch.float32)
-        return x_recv, ids_R[:, None], ones_R1, _SymmetricContext(plan, weights_TK)
+        ids_R1, ones_R1 = _block_expert_ids(meta_recv_P2[:, :El], N)
+        return x_recv, ids_R1, ones_R1, _SymmetricContext(plan, weights_TK)
 
     def combine(self, y_RH, ctx: _SymmetricContext):
         return combine_rows(y_RH, ctx.weights_TK, ctx.plan, self.group)
